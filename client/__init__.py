@@ -1,0 +1,1 @@
+"""lorad client SDK and CLI; imports neither torch nor onnxruntime."""

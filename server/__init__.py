@@ -1,0 +1,1 @@
+"""The lorad daemon."""
