@@ -1,1 +1,35 @@
-"""lorad compute kernels: frozen linears on NPU/CPU backends, LoRA ops, precision planning."""
+"""lorad compute kernels: frozen linears on NPU/CPU backends, LoRA ops, precision planning.
+
+Overview (DESIGN.md §2, notes/qnn_htp.md):
+
+- ``make_frozen_linear(W, b, backend=..., precision=...)`` returns a ``FrozenLinear``: ``forward(x) = x·Wᵀ + b`` and
+  ``input_grad(dy) = dy·W`` on one of ``BACKENDS``; no weight gradient is ever computed.
+  * ``torch``: reference; fp32 exact, other precisions emulated by fake-quant so the planner runs on any host.
+  * ``ort-cpu``: ONNX Runtime CPU EP, the fast path on x86. fp32 and w8a8. One weight copy serves both
+    directions (fp32 W or one int8 per-channel W fed as a graph input to a forward and a backward session).
+  * ``qnn-htp``: onnxruntime-qnn plugin EP; static token buckets, FP16 graphs, EP-context cache on disk.
+- ``LoRALinear(frozen, rank, alpha)``: ``y = frozen(x) + s·(drop(x)·Aᵀ)·Bᵀ``; frozen calls go through the single
+  ``NpuQueue`` worker while the caller thread computes the LoRA terms (and dA, dB in backward).
+- ``plan_precision`` measures, per layer and precision, how far dA/dB/dX move from the fp32 run and picks the
+  cheapest plan within an error budget (``PrecisionPlan``, JSON-serializable, ``.table()``).
+- ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.
+"""
+
+from lorad.kernels._quant import PRECISIONS
+from lorad.kernels.detect import BackendInfo, detect_backend
+from lorad.kernels.frozen import BACKENDS, FrozenLinear, make_frozen_linear, memory_report
+from lorad.kernels.lora import FrozenMatmul, LoRALinear
+from lorad.kernels.queue import NpuQueue
+
+__all__ = [
+    "BACKENDS",
+    "PRECISIONS",
+    "BackendInfo",
+    "FrozenLinear",
+    "FrozenMatmul",
+    "LoRALinear",
+    "NpuQueue",
+    "detect_backend",
+    "make_frozen_linear",
+    "memory_report",
+]

@@ -1,0 +1,44 @@
+"""Quantization helpers shared by the backends: per-channel weight quantization and activation fake-quant."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "w8a16", "w8a8", "w4a16")
+
+# Bits of the weight and activation integer grids per quantized precision.
+WEIGHT_BITS = {"w8a16": 8, "w8a8": 8, "w4a16": 4}
+ACT_BITS = {"w8a16": 16, "w8a8": 8, "w4a16": 16}
+# Relative cost of one weight element in bytes, used by the planner's byte cost model.
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "w8a16": 1.0, "w8a8": 1.0, "w4a16": 0.5}
+
+
+def check_precision(backend: str, precision: str, supported: tuple[str, ...]) -> None:
+    """Raise ValueError naming backend and precision unless ``precision`` is in ``supported``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} for backend {backend!r}; choose one of {PRECISIONS}")
+    if precision not in supported:
+        raise ValueError(f"backend {backend!r} does not support precision {precision!r}; it supports {supported}")
+
+
+def quantize_weight(weight: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel quantization of ``weight`` [out, in].
+
+    Returns:
+        (q, scale): q int8 [out, in] with values in [-(2^(b-1)-1), 2^(b-1)-1], scale float32 [out].
+    """
+    qmax = 2 ** (bits - 1) - 1
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1).clamp_min(1e-30)
+    scale = absmax / qmax
+    q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def fake_quant_act(a: Tensor, bits: int) -> Tensor:
+    """Per-tensor symmetric fake-quant with a per-call scale (what static scales + per-call rescale compute)."""
+    qmax = 2 ** (bits - 1) - 1
+    absmax = a.abs().amax().clamp_min(1e-30)
+    scale = absmax / qmax
+    return torch.round(a / scale).clamp_(-qmax, qmax) * scale

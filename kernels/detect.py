@@ -1,0 +1,144 @@
+"""Backend detection, once per process: QNN HTP on a real NPU, else the ONNX Runtime CPU EP, else torch."""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from lorad.kernels.frozen import BACKENDS
+
+log = structlog.get_logger(__name__)
+
+# QNN SoC defaults for the x86 HTP simulator (notes/qnn_htp.md §0: "60"/"73" measured; perf options are no-ops).
+SIM_SOC_MODEL = "60"
+SIM_HTP_ARCH = "73"
+# /sys/devices/soc0/soc_id -> (QNN soc_model, htp_arch) for Snapdragon parts we know; override with
+# LORAD_QNN_SOC_MODEL / LORAD_QNN_HTP_ARCH for anything else.
+_KNOWN_SOCS: dict[str, tuple[str, str]] = {
+    "519": ("43", "73"),  # SM8550 (8 Gen 2)
+    "557": ("57", "75"),  # SM8650 (8 Gen 3)
+    "618": ("69", "79"),  # SM8750 (8 Elite)
+}
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """The chosen backend and why.
+
+    Attributes:
+        name: one of BACKENDS.
+        reason: why it was chosen, or why a preferred backend was not (the fallback reason).
+        soc_model: QNN ``soc_model`` provider option ("" when QNN is not usable).
+        htp_arch: QNN ``htp_arch`` provider option ("" when QNN is not usable).
+        available: backend -> short status ("ok", "simulator", or the load error).
+    """
+
+    name: str
+    reason: str
+    soc_model: str = ""
+    htp_arch: str = ""
+    available: dict[str, str] = field(default_factory=dict)
+
+
+_lock = threading.Lock()
+_probe: dict[str, Any] | None = None
+_qnn_devices: list[Any] | None = None
+
+
+def qnn_ep_devices() -> list[Any]:
+    """Register the QNN plugin EP once and return its OrtEpDevice list (raises if it cannot load)."""
+    global _qnn_devices
+    with _lock:
+        if _qnn_devices is None:
+            import onnxruntime as ort
+            import onnxruntime_qnn as oq
+
+            ort.register_execution_provider_library("QNNExecutionProvider", oq.get_library_path())
+            _qnn_devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+        if not _qnn_devices:
+            raise RuntimeError("QNNExecutionProvider registered but reports no devices")
+        return _qnn_devices
+
+
+def _soc() -> tuple[str, str]:
+    env_soc, env_arch = os.environ.get("LORAD_QNN_SOC_MODEL"), os.environ.get("LORAD_QNN_HTP_ARCH")
+    try:
+        soc_id = Path("/sys/devices/soc0/soc_id").read_text().strip()
+    except OSError:
+        soc_id = ""
+    known = _KNOWN_SOCS.get(soc_id, (SIM_SOC_MODEL, SIM_HTP_ARCH))
+    return env_soc or known[0], env_arch or known[1]
+
+
+def _run_probe() -> dict[str, Any]:
+    avail: dict[str, str] = {"torch": "ok"}
+    try:
+        import onnxruntime  # noqa: F401
+
+        avail["ort-cpu"] = "ok"
+    except Exception as exc:  # any import failure means the backend is unusable
+        avail["ort-cpu"] = f"unavailable: {type(exc).__name__}: {exc}"
+    real_npu = False
+    try:
+        devs = qnn_ep_devices()
+        real_npu = any(str(d.device.type).endswith("NPU") for d in devs)
+        avail["qnn-htp"] = "ok" if real_npu else f"simulator ({platform.machine()})"
+    except Exception as exc:
+        avail["qnn-htp"] = f"unavailable: {type(exc).__name__}: {exc}"
+    soc, arch = ("", "") if avail["qnn-htp"].startswith("unavailable") else _soc()
+    return {"available": avail, "real_npu": real_npu, "soc_model": soc, "htp_arch": arch}
+
+
+def detect_backend(override: str | None = None) -> BackendInfo:
+    """Pick the backend for this process (the hardware probe runs once and is cached).
+
+    Args:
+        override: None or "auto" to choose automatically, else a name from BACKENDS (config override). The
+            override is honoured if that backend can load, otherwise the auto choice is returned with the reason.
+
+    Returns:
+        BackendInfo; ``reason`` says why, including any fallback.
+
+    Raises:
+        ValueError: ``override`` is not "auto", None or a known backend.
+    """
+    global _probe
+    if override not in (None, "auto", *BACKENDS):
+        raise ValueError(f"unknown backend override {override!r}; choose 'auto' or one of {BACKENDS}")
+    with _lock:
+        probe_needed = _probe is None
+    if probe_needed:
+        p = _run_probe()
+        with _lock:
+            _probe = _probe or p
+    assert _probe is not None
+    avail: dict[str, str] = dict(_probe["available"])
+    soc, arch = _probe["soc_model"], _probe["htp_arch"]
+    qnn_ok = not avail["qnn-htp"].startswith("unavailable")
+    cpu_ok = avail["ort-cpu"] == "ok"
+    prefix = ""
+    if override not in (None, "auto"):
+        status = avail.get(override, "")
+        if not status.startswith("unavailable"):
+            info = BackendInfo(override, f"config override ({status})", soc, arch, avail)
+            log.info("backend_selected", backend=info.name, reason=info.reason)
+            return info
+        prefix = f"override {override!r} unusable ({status}); "
+    if qnn_ok and _probe["real_npu"]:
+        info = BackendInfo("qnn-htp", prefix + "QNN HTP EP loaded on a real NPU device", soc, arch, avail)
+    elif cpu_ok:
+        why = (
+            "QNN HTP EP loads but only as the x86 simulator (~100x slower than the CPU EP); using ORT CPU EP"
+            if qnn_ok
+            else f"QNN HTP EP {avail['qnn-htp']}; using ORT CPU EP"
+        )
+        info = BackendInfo("ort-cpu", prefix + why, soc, arch, avail)
+    else:
+        info = BackendInfo("torch", prefix + f"onnxruntime {avail['ort-cpu']}; using torch reference", "", "", avail)
+    log.info("backend_selected", backend=info.name, reason=info.reason)
+    return info

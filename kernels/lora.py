@@ -1,0 +1,137 @@
+"""LoRA linear on top of a FrozenLinear: the frozen product runs on the NpuQueue while the CPU does the LoRA terms."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lorad.kernels.frozen import FrozenLinear
+from lorad.kernels.queue import NpuQueue, default_queue
+from torch import Tensor, nn
+
+
+def _flat(t: Tensor, features: int) -> Tensor:
+    t2 = t.reshape(-1, features)
+    if t2.dtype != torch.float32:
+        t2 = t2.float()
+    return t2.contiguous()
+
+
+class FrozenMatmul(torch.autograd.Function):
+    """``y = frozen.forward(x)``; backward gives ``dX = frozen.input_grad(dY)`` and never a weight gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, frozen: FrozenLinear, queue: NpuQueue | None = None) -> Tensor:
+        ctx.frozen = frozen
+        ctx.queue = queue or default_queue()
+        ctx.in_shape = x.shape
+        x2 = _flat(x, frozen.in_features)
+        y = ctx.queue.submit(frozen.forward, x2).result()
+        return y.reshape(*x.shape[:-1], frozen.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        dy2 = _flat(dy, ctx.frozen.out_features)
+        dx = ctx.queue.submit(ctx.frozen.input_grad, dy2).result()
+        return dx.reshape(ctx.in_shape), None, None
+
+
+class _LoRAFrozenFn(torch.autograd.Function):
+    """Fused frozen + LoRA product so the NPU call and the CPU LoRA math overlap in both directions."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]  # noqa: PLR0917 (autograd passes positionals)
+        ctx: Any,
+        x: Tensor,
+        lora_a: Tensor,
+        lora_b: Tensor,
+        frozen: FrozenLinear,
+        queue: NpuQueue,
+        scaling: float,
+        dropout: float,
+        training: bool,
+    ) -> Tensor:
+        x2 = _flat(x, frozen.in_features)
+        fut = queue.submit(frozen.forward, x2)
+        # CPU side while the frozen product runs: s·(drop(x)·Aᵀ)·Bᵀ.
+        mask = None
+        xd = x2
+        if dropout > 0.0 and training:
+            mask = torch.empty_like(x2).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
+            xd = x2 * mask
+        h = xd @ lora_a.t()  # [T, r]
+        y = fut.result()
+        y.addmm_(h, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(xd, h, lora_a, lora_b, mask)
+        ctx.frozen, ctx.queue, ctx.scaling = frozen, queue, scaling
+        ctx.in_shape = x.shape
+        return y.reshape(*x.shape[:-1], frozen.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        xd, h, lora_a, lora_b, mask = ctx.saved_tensors
+        s = ctx.scaling
+        dy2 = _flat(dy, ctx.frozen.out_features)
+        need_x = ctx.needs_input_grad[0]
+        fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x else None
+        g = dy2 @ lora_b  # [T, r]
+        d_b = (dy2.t() @ h).mul_(s) if ctx.needs_input_grad[2] else None
+        d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
+        dx = None
+        if fut is not None:
+            dx_lora = (g @ lora_a).mul_(s)
+            if mask is not None:
+                dx_lora.mul_(mask)
+            dx = fut.result()
+            dx.add_(dx_lora)
+            dx = dx.reshape(ctx.in_shape)
+        return dx, d_a, d_b, None, None, None, None, None
+
+
+class LoRALinear(nn.Module):
+    """``y = frozen(x) + scaling·(dropout(x)·Aᵀ)·Bᵀ`` with ``lora_A`` [rank, in] and ``lora_B`` [out, rank].
+
+    ``rank=0`` means no adapter: the frozen product only, still differentiable w.r.t. x (the frozen lm_head).
+    Init follows PEFT: A kaiming-uniform(a=√5), B zeros, scaling = alpha / rank.
+    """
+
+    def __init__(
+        self, frozen: FrozenLinear, rank: int, alpha: float, dropout: float = 0.0, queue: NpuQueue | None = None
+    ) -> None:
+        super().__init__()
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.frozen = frozen
+        self.in_features = frozen.in_features
+        self.out_features = frozen.out_features
+        self.rank = rank
+        self.alpha = alpha
+        self.dropout = dropout
+        self.scaling = alpha / rank if rank > 0 else 0.0
+        self.queue = queue or default_queue()
+        if rank > 0:
+            self.lora_A = nn.Parameter(torch.empty(rank, self.in_features))
+            self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank))
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        else:
+            self.register_parameter("lora_A", None)
+            self.register_parameter("lora_B", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.rank == 0:
+            return FrozenMatmul.apply(x, self.frozen, self.queue)
+        return _LoRAFrozenFn.apply(
+            x, self.lora_A, self.lora_B, self.frozen, self.queue, self.scaling, self.dropout, self.training
+        )
+
+    def extra_repr(self) -> str:
+        f = self.frozen
+        return (
+            f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scaling={self.scaling:g}, "
+            f"precision={f.precision_fwd}/{f.precision_bwd}, name={f.name!r}"
+        )

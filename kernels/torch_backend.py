@@ -1,0 +1,69 @@
+"""Reference backend in plain torch: exact fp32, and fp16 / w8 / w4 emulated by fake-quant on any host."""
+
+from __future__ import annotations
+
+import torch
+from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_weight
+from torch import Tensor
+
+SUPPORTED = ("fp32", "fp16", "w8a16", "w8a8", "w4a16")
+
+
+class TorchFrozenLinear:
+    """Frozen linear in torch. Holds one weight copy per distinct precision (one when fwd == bwd precision).
+
+    Quantized precisions store an int8 grid (int4 values in int8 cells, so 1 byte/weight here) plus per-channel
+    scales and dequantize per call; activations get a per-tensor per-call scale, which is what the NPU backends
+    compute with static scales and per-call rescaling.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, precision: str, precision_bwd: str, name: str) -> None:
+        check_precision("torch", precision, SUPPORTED)
+        check_precision("torch", precision_bwd, SUPPORTED)
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.name = name
+        self.precision_fwd = precision
+        self.precision_bwd = precision_bwd
+        self._store: dict[str, tuple[Tensor, Tensor | None]] = {}
+        for p in {precision, precision_bwd}:
+            self._store[p] = _encode(weight, p)
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(w.numel() * w.element_size() + (0 if s is None else s.numel() * 4) for w, s in self._store.values())
+        return n + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def _dense(self, precision: str) -> Tensor:
+        w, s = self._store[precision]
+        if s is None:
+            return w.float() if w.dtype != torch.float32 else w
+        return w.float() * s[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = _act(x.float(), self.precision_fwd)
+        w = self._dense(self.precision_fwd)
+        y = x @ w.t() if self.bias is None else torch.addmm(self.bias, x, w.t())
+        return y
+
+    def input_grad(self, dy: Tensor) -> Tensor:
+        dy = _act(dy.float(), self.precision_bwd)
+        return dy @ self._dense(self.precision_bwd)
+
+
+def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:
+    w = weight.detach()
+    if precision == "fp32":
+        return w.float().contiguous().clone(), None
+    if precision == "fp16":
+        return w.to(torch.float16).contiguous(), None
+    q, s = quantize_weight(w, WEIGHT_BITS[precision])
+    return q, s
+
+
+def _act(a: Tensor, precision: str) -> Tensor:
+    if precision == "fp32":
+        return a
+    if precision == "fp16":
+        return a.to(torch.float16).float()
+    return fake_quant_act(a, ACT_BITS[precision])
