@@ -1,0 +1,120 @@
+"""Builds a CausalLM from HF-named weights: every linear becomes a lorad kernel FrozenLinear + LoRALinear."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from lorad.kernels import LoRALinear, make_frozen_linear
+from lorad.server.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
+from lorad.server.models.model import MLP, Attention, Block, CausalLM, Linear
+from torch import Tensor
+
+log = structlog.get_logger(__name__)
+
+
+def layer_precision(precision: Any, name: str) -> tuple[str, str | None]:
+    """(forward, backward) precision for layer `name` from a single precision string or a PrecisionPlan."""
+    if isinstance(precision, str):
+        return precision, None
+    fwd, bwd = precision.for_layer(name)
+    return str(fwd), (None if bwd is None else str(bwd))
+
+
+def build_model(
+    cfg: ModelConfig,
+    weights: Mapping[str, Tensor],
+    *,
+    backend: str = "torch",
+    precision: Any = "fp32",
+    lora: LoraConfig | None = None,
+    cache_dir: Path | None = None,
+    model_hash: str = "",
+) -> CausalLM:
+    """Creates the model on a kernel backend.
+
+    Args:
+        cfg: Architecture.
+        weights: HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...); any float dtype.
+        backend: lorad.kernels backend name ("torch", "ort-cpu", "qnn-htp").
+        precision: One precision for every linear ("fp32", "fp16", "w8a16", "w8a8") or a PrecisionPlan
+            (anything with `for_layer(name) -> (fwd, bwd)`).
+        lora: Adapter shape, or None for a base-only model (no trainable parameters).
+        cache_dir: Backend cache (QNN EP contexts).
+        model_hash: Base model content hash (part of backend cache keys).
+
+    Returns:
+        The CausalLM; its only parameters are the LoRA A/B tensors.
+
+    Raises:
+        KeyError: A weight the architecture needs is missing (its name is in the message).
+    """
+
+    def w(key: str) -> Tensor:
+        if key not in weights:
+            raise KeyError(f"weight {key!r} missing from the checkpoint (arch={cfg.arch})")
+        return weights[key].detach().to(torch.float32).contiguous()
+
+    targets = set(lora.targets) if lora else set()
+    short_of = {hf: short for short, (_, hf) in TARGET_TO_HF.items()}
+
+    def linear(name: str, bias: bool = False) -> Linear:
+        fwd, bwd = layer_precision(precision, name)
+        frozen = make_frozen_linear(
+            w(name + ".weight"),
+            w(name + ".bias") if bias else None,
+            backend=backend,
+            precision=fwd,
+            precision_bwd=bwd,
+            name=name,
+            cache_dir=cache_dir,
+            model_hash=model_hash,
+        )
+        short = short_of.get(name.rsplit(".", 1)[-1])
+        rank = lora.rank if lora and short in targets else 0
+        mod = LoRALinear(frozen, rank, lora.alpha if lora else 1.0, lora.dropout if lora else 0.0)
+        return Linear(frozen, mod, name, rank)
+
+    blocks = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        norms = {"q_norm": w(f"{a}.q_norm.weight"), "k_norm": w(f"{a}.k_norm.weight")} if cfg.qk_norm else {}
+        attn = Attention(
+            cfg,
+            linear(f"{a}.q_proj", cfg.attn_bias),
+            linear(f"{a}.k_proj", cfg.attn_bias),
+            linear(f"{a}.v_proj", cfg.attn_bias),
+            linear(f"{a}.o_proj"),
+            norms=norms,
+        )
+        mlp = MLP(linear(f"{p}.mlp.gate_proj"), linear(f"{p}.mlp.up_proj"), linear(f"{p}.mlp.down_proj"))
+        norm_in, norm_post = w(f"{p}.input_layernorm.weight"), w(f"{p}.post_attention_layernorm.weight")
+        blocks.append(Block(cfg, attn, mlp, norm_in, norm_post))
+    embed = w("model.embed_tokens.weight")
+    head_key = "model.embed_tokens" if cfg.tie_embeddings or "lm_head.weight" not in weights else "lm_head"
+    fwd, bwd = layer_precision(precision, "lm_head")
+    head_frozen = make_frozen_linear(
+        embed if head_key == "model.embed_tokens" else w("lm_head.weight"),
+        None,
+        backend=backend,
+        precision=fwd,
+        precision_bwd=bwd,
+        name="lm_head",
+        cache_dir=cache_dir,
+        model_hash=model_hash,
+    )
+    head = Linear(head_frozen, LoRALinear(head_frozen, 0, 1.0), "lm_head", 0)
+    model = CausalLM(cfg, lora, embed=embed, layers=blocks, norm=w("model.norm.weight"), lm_head=head)
+    log.info(
+        "model_built",
+        arch=cfg.arch,
+        layers=cfg.num_layers,
+        backend=backend,
+        lora_rank=lora.rank if lora else 0,
+        lora_params=sum(p.numel() for p in model.parameters()),
+    )
+    return model

@@ -1,0 +1,175 @@
+"""Fused CPU ops with hand-written backward: RMSNorm, RoPE, SwiGLU and chunked linear cross-entropy."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+from lorad.server.models.config import ModelConfig
+from torch import Tensor
+
+
+class FrozenMatmul(Protocol):
+    """The part of lorad.kernels' FrozenLinear these ops use (2-D float32 CPU tensors)."""
+
+    in_features: int
+    out_features: int
+
+    def forward(self, x: Tensor) -> Tensor: ...
+
+    def input_grad(self, dy: Tensor) -> Tensor: ...
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x * rsqrt(mean(x^2) + eps) * w with a frozen w; saves only x and rstd (one float per row)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        gw = g * weight
+        xhat = x * rstd
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        return dx, None, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim with a frozen weight (no weight gradient)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RMSNorm.apply(x, weight, eps)  # type: ignore[no-any-return]
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _RoPE(torch.autograd.Function):
+    """Rotary embedding (HF half-split layout). The rotation is linear, so backward rotates by -theta and
+    nothing but the shared cos/sin tables is saved."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return x * cos + _rotate_half(x) * sin
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        # y = x*c + R(x)*s and R^T = -R, so dx = g*c - R(g*s).
+        return g * cos - _rotate_half(g * sin), None, None
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates x [B, H, T, head_dim] by cos/sin tables [T, head_dim]."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RoPE.apply(x, cos, sin)  # type: ignore[no-any-return]
+    return x * cos + _rotate_half(x) * sin
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up; saves the two inputs only and recomputes the sigmoid in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        silu = gate * s
+        d_up = g * silu
+        d_gate = g * up * (s + silu * (1.0 - s))
+        return d_gate, d_up
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """SiLU-gated linear unit used by Llama/Qwen MLPs."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLU.apply(gate, up)  # type: ignore[no-any-return]
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse RoPE frequencies [head_dim/2], with Llama 3 long-context scaling when configured."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if not rs or rs.get("rope_type", rs.get("type")) != "llama3":
+        return inv
+    factor = float(rs["factor"])
+    low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+    old_ctx = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss of a frozen vocab projection + softmax cross-entropy, chunked over tokens.
+
+    Only [chunk, V] logits exist at any time; the gradient w.r.t. the hidden states is computed in the
+    forward pass (softmax - onehot, times W) so nothing vocabulary-sized is saved for backward.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]  # noqa: PLR0917 (autograd.Function takes positional args)
+        ctx: Any, h: Tensor, labels: Tensor, head: FrozenMatmul, chunk: int, denom: float
+    ) -> Tensor:
+        need_grad = bool(ctx.needs_input_grad[0])
+        total = h.new_zeros(())
+        dh = torch.zeros_like(h) if need_grad else None
+        for s in range(0, h.shape[0], chunk):
+            hc, lc = h[s : s + chunk], labels[s : s + chunk]
+            logits = head.forward(hc.contiguous())
+            lse = torch.logsumexp(logits, dim=-1)
+            total = total + (lse - logits.gather(1, lc[:, None]).squeeze(1)).sum()
+            if dh is not None:
+                p = torch.exp_(logits.sub_(lse[:, None]))  # softmax in place: logits are not needed again
+                p[torch.arange(lc.shape[0]), lc] -= 1.0
+                dh[s : s + chunk] = head.input_grad(p.div_(denom))
+        ctx.save_for_backward(dh if dh is not None else h.new_empty(0))
+        return total / denom
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
+        (dh,) = ctx.saved_tensors
+        return dh * g, None, None, None, None
+
+
+def linear_cross_entropy(
+    h: Tensor, labels: Tensor, head: FrozenMatmul, *, chunk: int = 256, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy of `head(h)` against labels without materialising all logits.
+
+    Args:
+        h: Hidden states [N, D] (final-norm output), float32.
+        labels: Target ids [N]; -100 marks tokens without loss (they are skipped, not computed).
+        head: Frozen vocab projection (the tied embedding / lm_head).
+        chunk: Tokens per logits chunk; peak extra memory is chunk * V * 4 bytes (256 x 49152 -> 50 MB).
+        reduction: "mean" over valid tokens (HF's default) or "sum" (for token-weighted accumulation).
+
+    Returns:
+        Scalar loss; 0 with a zero gradient when no token has a label.
+    """
+    keep = labels != -100
+    idx = keep.nonzero().squeeze(1)
+    n = int(idx.numel())
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}; use 'mean' or 'sum'")
+    if n == 0:
+        return (h * 0.0).sum()
+    denom = float(n) if reduction == "mean" else 1.0
+    return _LinearCrossEntropy.apply(h.index_select(0, idx), labels.index_select(0, idx), head, chunk, denom)  # type: ignore[no-any-return]
