@@ -1,0 +1,274 @@
+"""The training loop: micro-batches, token-weighted gradient accumulation, layer-wise AdamW, eval, pause, resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import torch
+from lorad.server.training import checkpoint as ckpt
+from lorad.server.training.config import TrainConfig
+from lorad.server.training.data import PreparedData
+from lorad.server.training.optim import LayerwiseAdamW
+from lorad.server.training.packing import BatchStream, eval_batches, target_count
+from lorad.server.training.schedule import lr_at
+from torch import nn
+
+log = structlog.get_logger(__name__)
+
+# Config fields that define the numbers a run produces; a checkpoint resumes only into a job where they match.
+NUMERIC_FIELDS = (
+    "rank",
+    "alpha",
+    "dropout",
+    "targets",
+    "lr",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "warmup_steps",
+    "schedule",
+    "min_lr_ratio",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "max_grad_norm",
+    "clip_mode",
+    "seed",
+    "eval_fraction",
+)
+
+
+class LoraModel(Protocol):
+    """What the trainer needs from a model with LoRA adapters."""
+
+    training: bool
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def lora_groups(self) -> list[tuple[str, list[nn.Parameter]]]: ...
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_lora_state_dict(self, state: dict[str, torch.Tensor]) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress report, sent after every optimizer step."""
+
+    step: int
+    total_steps: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    eta_s: float
+    eval_loss: float | None
+
+
+@dataclass
+class TrainResult:
+    """How a run ended: "completed" or "paused", at which step, with the per-step history."""
+
+    status: str
+    step: int
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint: Path | None = None
+    step_times: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Runs optimizer steps on a LoRA model; checkpoints make a paused or crashed run continue exactly."""
+
+    def __init__(
+        self,
+        model: LoraModel,
+        cfg: TrainConfig,
+        data: PreparedData,
+        *,
+        pad_id: int,
+        checkpoint_dir: Path | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        should_pause: Callable[[], bool] | None = None,
+    ) -> None:
+        """Wires the model, data stream and optimizer; nothing runs until `run()`."""
+        self.model, self.cfg, self.data = model, cfg, data
+        self.ckpt_dir = checkpoint_dir
+        self.on_progress = on_progress
+        self.should_pause = should_pause or (lambda: False)
+        self.stream = BatchStream(
+            data.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, pad_id=pad_id
+        )
+        self.eval_set = eval_batches(
+            data.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size, pad_id=pad_id, max_batches=cfg.eval_batches
+        )
+        self.optim = LayerwiseAdamW(
+            model.lora_groups(),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.max_grad_norm,
+            clip_mode=cfg.clip_mode,
+            overlap=cfg.overlap_optimizer,
+        )
+        self.step = 0
+        self.history = TrainResult(status="running", step=0)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue exactly from the current step boundary."""
+        return {
+            "step": self.step,
+            "config": self.cfg.to_dict(),
+            "data_fingerprint": self.data.fingerprint,
+            "cursor": self.stream.cursor,
+            "adapter": {k: v.detach().clone() for k, v in self.model.lora_state_dict().items()},
+            "optimizer": self.optim.state_dict(),
+            "rng": ckpt.capture_rng(),
+            "history": {"losses": list(self.history.losses), "eval": [list(e) for e in self.history.eval_losses]},
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Writes a checkpoint of the current step boundary.
+
+        Raises:
+            ValueError: the trainer has no checkpoint directory.
+        """
+        if self.ckpt_dir is None:
+            raise ValueError("Trainer was created without checkpoint_dir")
+        path = ckpt.save(self.ckpt_dir, self.state(), keep=self.cfg.keep_checkpoints)
+        self.history.checkpoint = path
+        return path
+
+    def restore(self, path: Path) -> None:
+        """Continues from a checkpoint: adapter, optimizer, step, data cursor, RNG and history.
+
+        Raises:
+            CheckpointError: the checkpoint is invalid or belongs to another job or data set.
+        """
+        expect = {
+            "config": {k: self.cfg.to_dict()[k] for k in NUMERIC_FIELDS},
+            "data_fingerprint": self.data.fingerprint,
+            "adapter_shapes": {k: tuple(v.shape) for k, v in self.model.lora_state_dict().items()},
+        }
+        state = ckpt.load(path, expect=expect)
+        self.model.load_lora_state_dict(state["adapter"])
+        self.optim.load_state_dict(state["optimizer"])
+        self.stream.seek(state["cursor"])
+        ckpt.restore_rng(state["rng"])
+        self.step = int(state["step"])
+        self.history.losses = [float(x) for x in state["history"]["losses"]]
+        self.history.eval_losses = [(int(s), float(v)) for s, v in state["history"]["eval"]]
+        log.info("checkpoint_restored", step=self.step)
+
+    # -- steps -------------------------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimizer step over `grad_accum` micro-batches; returns (loss, lr, grad_norm).
+
+        Each micro-batch's mean loss is weighted by its share of the window's target tokens, so accumulating k
+        micro-batches of size b equals one batch of size k·b.
+        """
+        lr = lr_at(
+            self.step,
+            lr=self.cfg.lr,
+            steps=self.cfg.steps,
+            warmup_steps=self.cfg.warmup_steps,
+            schedule=self.cfg.schedule,
+            min_lr_ratio=self.cfg.min_lr_ratio,
+        )
+        self.optim.set_lr(lr)
+        micro = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]
+        counts = [target_count(y) for _, y in micro]
+        total = sum(counts)
+        loss_sum = 0.0
+        for i, ((x, y), n) in enumerate(zip(micro, counts, strict=False)):
+            if n == 0:
+                continue  # nothing to learn from this micro-batch (all labels ignored)
+            self.optim.arm(last_micro_step=i == len(micro) - 1)
+            loss = self.model(x, y)
+            (loss * (n / total)).backward()
+            loss_sum += float(loss.detach()) * n / total
+        stats = self.optim.finish()
+        self.step += 1
+        return (loss_sum if total else float("nan")), lr, stats.grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Token-weighted mean loss over the held-out batches (dropout off); None without held-out data."""
+        if not self.eval_set:
+            return None
+        was_training = self.model.training
+        self.model.train(False)
+        num = den = 0.0
+        for x, y in self.eval_set:
+            n = target_count(y)
+            if n:
+                num += float(self.model(x, y)) * n
+                den += n
+        self.model.train(was_training)
+        return num / den if den else None
+
+    def run(self) -> TrainResult:
+        """Trains until `cfg.steps` or until `should_pause()` is true at a step boundary.
+
+        Returns:
+            status "completed" (final checkpoint written if there is a directory) or "paused" (checkpoint written).
+        """
+        cfg, res = self.cfg, self.history
+        self.model.train(True)
+        ema: float | None = None
+        while self.step < cfg.steps:
+            if self.should_pause():
+                res.status, res.step = "paused", self.step
+                if self.ckpt_dir is not None:
+                    self.save_checkpoint()
+                log.info("training_paused", step=self.step)
+                return res
+            t0 = time.perf_counter()
+            loss, lr, gnorm = self.train_step()
+            dt = time.perf_counter() - t0
+            res.losses.append(loss)
+            res.step_times.append(dt)
+            ema = dt if ema is None else 0.8 * ema + 0.2 * dt
+            ev = None
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                ev = self.evaluate()
+                if ev is not None:
+                    res.eval_losses.append((self.step, ev))
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.ckpt_dir is not None:
+                self.save_checkpoint()
+            log.info(
+                "train_step", step=self.step, loss=round(loss, 5), lr=lr, grad_norm=round(gnorm, 4), step_s=round(dt, 4)
+            )
+            if self.on_progress is not None:
+                self.on_progress(
+                    Progress(
+                        self.step,
+                        cfg.steps,
+                        loss,
+                        lr,
+                        gnorm,
+                        cfg.tokens_per_step / dt,
+                        ema * (cfg.steps - self.step),
+                        ev,
+                    )
+                )
+        res.status, res.step = "completed", self.step
+        if self.ckpt_dir is not None:
+            self.save_checkpoint()
+        return res
+
+    def close(self) -> None:
+        """Releases the optimizer thread and hooks."""
+        self.optim.close()
