@@ -37,8 +37,9 @@ def quantize_weight(weight: Tensor, bits: int) -> tuple[Tensor, Tensor]:
 
 
 def fake_quant_act(a: Tensor, bits: int) -> Tensor:
-    """Per-tensor symmetric fake-quant with a per-call scale (what static scales + per-call rescale compute)."""
+    """Per-row symmetric fake-quant of a [T, K] activation: what static scales plus per-call, per-row rescaling
+    compute on the NPU (each token row is divided by its own absmax before the fixed-scale graph)."""
     qmax = 2 ** (bits - 1) - 1
-    absmax = a.abs().amax().clamp_min(1e-30)
+    absmax = a.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
     scale = absmax / qmax
     return torch.round(a / scale).clamp_(-qmax, qmax) * scale

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog

@@ -1,0 +1,143 @@
+"""ONNX Runtime CPU-EP backend: fp32 and per-channel int8 (w8a8), one weight copy serving both directions.
+
+The weight is a graph *input* (not an initializer) of two small sessions, forward and input-gradient, so the
+single numpy buffer held here is the only copy (ORT would otherwise keep a prepacked copy per session).
+- fp32: forward ``Gemm(x, W, b, transB=1)``, backward ``MatMul(dy, W)``; W is [out, in] (nn.Linear layout).
+- w8a8: W stored once as int8 [out, in] with per-output-channel scales s. Forward ``x·(Wq·diag(s))ᵀ``:
+  ``DynamicQuantizeMatMul(x, Transpose(Wq), s, 0, b)`` (per-call uint8 activation scale, per-column weight scale
+  fused in the GEMM epilogue). Backward ``dy·diag(s)·Wq``: fold s into dy, then ``DynamicQuantizeMatMul`` against
+  the same int8 tensor, which is already the [K=out, N=in] layout the backward product needs.
+Shapes are dynamic (symbolic T), so no padding is needed on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from lorad.kernels._onnx import MS_DOMAIN, init, model_bytes, value
+from lorad.kernels._quant import check_precision, quantize_weight
+from onnx import helper
+from torch import Tensor
+
+SUPPORTED = ("fp32", "w8a8")
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    """CPU-EP options: intra-op threads = cores, sequential execution, no spinning (the caller thread computes the
+    LoRA terms concurrently and must not compete with idle-spinning ORT workers)."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or os.cpu_count() or 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+    return so
+
+
+def _session(model: bytes) -> ort.InferenceSession:
+    return ort.InferenceSession(model, sess_options=session_options(), providers=["CPUExecutionProvider"])
+
+
+def fp32_graphs(out_f: int, in_f: int, bias: np.ndarray | None) -> tuple[bytes, bytes]:
+    """(forward, input-grad) models with the fp32 weight W [out, in] as graph input ``W``."""
+    b_in = ["b"] if bias is not None else []
+    b_init = [init("b", bias)] if bias is not None else []
+    fwd = model_bytes(
+        [helper.make_node("Gemm", ["x", "W", *b_in], ["y"], transB=1)],
+        [value("x", np.float32, ["T", in_f]), value("W", np.float32, [out_f, in_f])],
+        [value("y", np.float32, ["T", out_f])],
+        b_init,
+    )
+    bwd = model_bytes(
+        [helper.make_node("MatMul", ["dy", "W"], ["dx"])],
+        [value("dy", np.float32, ["T", out_f]), value("W", np.float32, [out_f, in_f])],
+        [value("dx", np.float32, ["T", in_f])],
+    )
+    return fwd, bwd
+
+
+def int8_graphs(out_f: int, in_f: int, scale: np.ndarray, bias: np.ndarray | None) -> tuple[bytes, bytes]:
+    """(forward, input-grad) models with the int8 weight Wq [out, in] as graph input ``W`` (same for both)."""
+    w_in = value("W", np.int8, [out_f, in_f])
+    fwd_inputs = ["x", "Wt", "s", "zo", *(["b"] if bias is not None else [])]
+    fwd = model_bytes(
+        [
+            helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+            helper.make_node("DynamicQuantizeMatMul", fwd_inputs, ["y"], domain=MS_DOMAIN),
+        ],
+        [value("x", np.float32, ["T", in_f]), w_in],
+        [value("y", np.float32, ["T", out_f])],
+        [init("s", scale), init("zo", np.zeros(out_f, np.int8))] + ([init("b", bias)] if bias is not None else []),
+    )
+    bwd = model_bytes(
+        [
+            # dy·diag(s)·Wq: the per-output-channel scale is folded into dy so Wq serves as B unchanged.
+            helper.make_node("Mul", ["dy", "s"], ["dys"]),
+            helper.make_node("DynamicQuantizeMatMul", ["dys", "W", "one", "z0"], ["dx"], domain=MS_DOMAIN),
+        ],
+        [value("dy", np.float32, ["T", out_f]), w_in],
+        [value("dx", np.float32, ["T", in_f])],
+        [init("s", scale), init("one", np.array(1.0, np.float32)), init("z0", np.array(0, np.int8))],
+    )
+    return fwd, bwd
+
+
+class _Direction:
+    """One session plus the weight OrtValue it reads (zero-copy view of the stored numpy buffer)."""
+
+    def __init__(self, model: bytes, in_name: str, weight: np.ndarray) -> None:
+        self.sess = _session(model)
+        self.in_name = in_name
+        self.weight = ort.OrtValue.ortvalue_from_numpy(weight)
+        self.out_name = self.sess.get_outputs()[0].name
+
+    def __call__(self, a: Tensor) -> Tensor:
+        a_np = a.detach().float().contiguous().numpy()
+        feeds: dict[str, Any] = {self.in_name: a_np, "W": self.weight}
+        out = self.sess.run([self.out_name], feeds)[0]
+        return torch.from_numpy(out)
+
+
+class OrtCpuFrozenLinear:
+    """Frozen linear on the ONNX Runtime CPU EP (see module docstring for the graphs)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, precision: str, precision_bwd: str, name: str) -> None:
+        check_precision("ort-cpu", precision, SUPPORTED)
+        check_precision("ort-cpu", precision_bwd, SUPPORTED)
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.name = name
+        self.precision_fwd, self.precision_bwd = precision, precision_bwd
+        b = None if bias is None else bias.detach().float().contiguous().numpy().copy()
+        self._arrays: dict[str, np.ndarray] = {}
+        graphs: dict[str, tuple[bytes, bytes]] = {}
+        o, i = self.out_features, self.in_features
+        for p in {precision, precision_bwd}:
+            if p == "fp32":
+                self._arrays["fp32"] = weight.detach().float().contiguous().numpy().copy()
+                graphs[p] = fp32_graphs(o, i, b)
+            else:
+                q, s = quantize_weight(weight, 8)
+                self._arrays["w8"] = q.numpy()
+                self._arrays["w8_scale"] = s.numpy()
+                graphs[p] = int8_graphs(o, i, s.numpy(), b)
+        key = {"fp32": "fp32", "w8a8": "w8"}
+        self._fwd = _Direction(graphs[precision][0], "x", self._arrays[key[precision]])
+        self._bwd = _Direction(graphs[precision_bwd][1], "dy", self._arrays[key[precision_bwd]])
+        self._bias_bytes = 0 if b is None else b.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        # Weight buffers (+ per-channel scales) held here; the sessions reference them, they keep no copy.
+        # Bias and scale constants are also embedded in the graphs (tiny: out_features floats each).
+        return sum(a.nbytes for a in self._arrays.values()) + self._bias_bytes
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._fwd(x)
+
+    def input_grad(self, dy: Tensor) -> Tensor:
+        return self._bwd(dy)
