@@ -1,0 +1,65 @@
+"""Crash-safe file and directory writes: temp file -> fsync -> rename (-> fsync of the parent directory)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Flushes a directory entry table so a completed rename survives a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flushes one file's data to disk."""
+    with path.open("rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` so readers see either the old or the new file, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def make_temp_dir(final: Path) -> Path:
+    """A fresh hidden directory next to `final` to build its contents in (same filesystem, so rename is atomic)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Fsyncs every file in `tmp` and renames it to `final`, replacing an existing directory.
+
+    A replaced directory is first moved aside, so `final` is always either the complete old or the complete new
+    version (the swap itself is two renames; a crash between them leaves the old copy under a hidden name).
+    """
+    for f in tmp.iterdir():
+        if f.is_file():
+            fsync_file(f)
+    fsync_dir(tmp)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old.{os.getpid()}")
+        final.replace(old)
+        tmp.replace(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.replace(final)
+    fsync_dir(final.parent)
