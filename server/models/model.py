@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lorad.kernels.torch_backend import TorchFrozenLinear
 from lorad.server.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.models.kv_cache import KVCache
 from lorad.server.models.layers import apply_rope, linear_cross_entropy, rms_norm, rope_inv_freq, swiglu
@@ -56,12 +57,17 @@ class Linear(nn.Module):
         if adapter == OWN:
             y = self.lora(x2)
         else:
-            # Through the backend queue: NPU calls stay serialised even while a training job runs.
-            y = self.lora.queue.submit(self.frozen.forward, x2.contiguous()).result()
+            y = self._frozen_forward(x2.contiguous())
             if isinstance(adapter, AdapterWeights) and self.name in adapter.tensors:
                 a, b = adapter.tensors[self.name]
                 y = y + adapter.scale * ((x2 @ a.t()) @ b.t())
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _frozen_forward(self, x2: Tensor) -> Tensor:
+        if isinstance(self.frozen, TorchFrozenLinear):  # plain torch is thread-safe: skip the ~60 us queue hop
+            return self.frozen.forward(x2)  # type: ignore[no-any-return]
+        # Through the backend queue: NPU calls stay serialised even while a training job runs.
+        return self.lora.queue.submit(self.frozen.forward, x2).result()  # type: ignore[no-any-return]
 
 
 class Attention(nn.Module):
