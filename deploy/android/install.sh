@@ -1,0 +1,159 @@
+#!/data/data/com.termux/files/usr/bin/bash
+# Install lorad on Android: Termux + a proot-distro glibc userland (aarch64), termux-services, Termux:Boot.
+#
+# Why a userland: Termux's own Python links against Bionic and cannot load manylinux wheels (torch,
+# onnxruntime, onnxruntime-qnn). Inside proot-distro Debian/Ubuntu, pip installs them unchanged.
+#
+# Idempotent: every step checks what is already there and skips it; re-run to upgrade lorad.
+#
+# Environment (all optional):
+#   LORAD_DISTRO       proot-distro alias, "debian" (default) or "ubuntu"
+#   LORAD_SPEC         pip requirement for lorad, default "lorad[server]"; a path or wheel works too
+#   LORAD_TORCH        torch pin, default "torch==2.13.0" (the CPU wheel; pinned like pyproject.toml)
+#   LORAD_TORCH_INDEX  index for torch, default https://download.pytorch.org/whl/cpu (no CUDA downloads)
+#   LORAD_QNN_SPEC     onnxruntime-qnn requirement, default "onnxruntime-qnn" (manylinux_2_34 aarch64 wheel)
+#   LORAD_NO_SERVICE   set to 1 to skip installing the runit services and the Termux:Boot script
+set -euo pipefail
+
+DISTRO="${LORAD_DISTRO:-debian}"
+LORAD_SPEC="${LORAD_SPEC:-lorad[server]}"
+LORAD_TORCH="${LORAD_TORCH:-torch==2.13.0}"
+LORAD_TORCH_INDEX="${LORAD_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+LORAD_QNN_SPEC="${LORAD_QNN_SPEC:-onnxruntime-qnn}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PREFIX="${PREFIX:-/data/data/com.termux/files/usr}"
+ROOTFS="$PREFIX/var/lib/proot-distro/installed-rootfs/$DISTRO"
+VENV=/opt/lorad/venv   # path inside the userland
+
+say() { printf '[lorad-install] %s\n' "$*"; }
+die() { printf '[lorad-install] ERROR: %s\n' "$*" >&2; exit 1; }
+
+in_distro() {
+    # Run a command as root inside the userland (proot fakes root; no real privileges are gained).
+    proot-distro login "$DISTRO" --shared-tmp -- /usr/bin/env -i HOME=/root LANG=C.UTF-8 \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@"
+}
+
+check_host() {
+    case "$PREFIX" in
+        */com.termux/*) ;;
+        *) die "run this inside the Termux app (PREFIX=$PREFIX is not a Termux prefix)" ;;
+    esac
+    [ "$(uname -m)" = "aarch64" ] || die "lorad's Android path needs an aarch64 device, this is $(uname -m)"
+    case "$DISTRO" in
+        debian | ubuntu) ;;
+        *) die "LORAD_DISTRO=$DISTRO is not supported; use debian or ubuntu" ;;
+    esac
+}
+
+termux_packages() {
+    local need=()
+    command -v proot-distro > /dev/null || need+=(proot-distro)
+    command -v sv > /dev/null || need+=(termux-services)
+    command -v termux-battery-status > /dev/null || need+=(termux-api)
+    if [ "${#need[@]}" -gt 0 ]; then
+        say "installing Termux packages: ${need[*]}"
+        pkg install -y "${need[@]}"
+    else
+        say "Termux packages already present"
+    fi
+}
+
+userland() {
+    if [ -d "$ROOTFS/usr" ]; then
+        say "proot-distro $DISTRO already installed"
+    else
+        say "installing proot-distro $DISTRO (a few hundred MB)"
+        proot-distro install "$DISTRO"
+    fi
+    if in_distro test -x "$VENV/bin/python"; then
+        say "venv $VENV already exists"
+    else
+        say "installing python3-venv inside $DISTRO"
+        in_distro sh -c 'apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y python3 python3-venv ca-certificates'
+        in_distro python3 -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
+            || die "the $DISTRO userland has Python < 3.11; lorad needs 3.11+ (use debian bookworm+ or ubuntu 24.04+)"
+        in_distro python3 -m venv "$VENV"
+    fi
+}
+
+python_packages() {
+    say "installing $LORAD_TORCH (CPU wheel) and $LORAD_SPEC"
+    in_distro "$VENV/bin/pip" install --upgrade pip
+    in_distro "$VENV/bin/pip" install "$LORAD_TORCH" --index-url "$LORAD_TORCH_INDEX"
+    in_distro "$VENV/bin/pip" install "$LORAD_TORCH" "$LORAD_SPEC" "$LORAD_QNN_SPEC"
+    # The wheel carries one HTP skel per Hexagon generation; list what this install can drive.
+    in_distro "$VENV/bin/python" - << 'EOF'
+import pathlib, onnxruntime_qnn as oq
+libdir = pathlib.Path(oq.get_qnn_htp_path()).parent
+skels = sorted(p.name for p in libdir.glob("libQnnHtpV*Skel.so"))
+print("[lorad-install] HTP skels in the onnxruntime-qnn wheel:", ", ".join(skels) or "NONE")
+EOF
+}
+
+helpers() {
+    say "installing helper scripts into the userland"
+    install -d "$ROOTFS/opt/lorad/bin"
+    install -m 0755 "$HERE/lorad-inproot.sh" "$ROOTFS/opt/lorad/bin/lorad-inproot"
+    install -m 0755 "$HERE/lorad-wakelock.sh" "$ROOTFS/opt/lorad/bin/lorad-wakelock"
+    local cfg="$ROOTFS/root/.config/lorad/lorad.toml"
+    if [ ! -f "$cfg" ]; then
+        install -d "$(dirname "$cfg")"
+        if [ -f "$HERE/../lorad.example.toml" ]; then
+            cp "$HERE/../lorad.example.toml" "$cfg"
+        else
+            : > "$cfg"
+        fi
+        cat >> "$cfg" << 'EOF'
+
+# Added by deploy/android/install.sh: hold the Termux wake lock only while a job trains.
+[device]
+wake_lock_acquire = "/opt/lorad/bin/lorad-wakelock acquire"
+wake_lock_release = "/opt/lorad/bin/lorad-wakelock release"
+EOF
+        say "wrote $cfg"
+    else
+        say "keeping existing $cfg"
+    fi
+}
+
+services() {
+    local svdir="$PREFIX/var/service"
+    for name in lorad lorad-wakelock; do
+        say "installing runit service $name"
+        install -d "$svdir/$name/log" "$PREFIX/var/log/sv/$name"
+        install -m 0755 "$HERE/service/$name/run" "$svdir/$name/run"
+        install -m 0755 "$HERE/service/$name/log/run" "$svdir/$name/log/run"
+        if [ -d "$HERE/service/$name/control" ]; then
+            install -d "$svdir/$name/control"
+            install -m 0755 "$HERE/service/$name/control/"* "$svdir/$name/control/"
+        fi
+        # Record the distro so the run scripts do not need the environment of this shell.
+        printf '%s\n' "$DISTRO" > "$svdir/$name/distro"
+    done
+    install -d "$HOME/.termux/boot"
+    install -m 0755 "$HERE/boot/start-lorad" "$HOME/.termux/boot/start-lorad"
+    say "installed ~/.termux/boot/start-lorad (needs the Termux:Boot app, opened once)"
+    if command -v sv-enable > /dev/null && [ -n "${SVDIR:-}" ]; then
+        sv-enable lorad-wakelock || true
+        sv-enable lorad || true
+    else
+        say "restart Termux once so termux-services starts runsvdir, then: sv-enable lorad-wakelock; sv-enable lorad"
+    fi
+}
+
+main() {
+    check_host
+    termux_packages
+    userland
+    python_packages
+    helpers
+    if [ "${LORAD_NO_SERVICE:-0}" != "1" ]; then
+        services
+    fi
+    say "done. Check the backend with:"
+    say "  proot-distro login $DISTRO -- $VENV/bin/python -c 'import lorad.kernels as k; print(k.detect_backend())'"
+    say "See deploy/android/README.md for battery-optimization and phantom-process settings."
+}
+
+main "$@"
