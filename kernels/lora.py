@@ -43,7 +43,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
     """Fused frozen + LoRA product so the NPU call and the CPU LoRA math overlap in both directions."""
 
     @staticmethod
-    def forward(  # type: ignore[override]  # noqa: PLR0917 (autograd passes positionals)
+    def forward(  # noqa: PLR0917 (autograd passes positionals)
         ctx: Any,
         x: Tensor,
         lora_a: Tensor,

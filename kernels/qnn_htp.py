@@ -87,7 +87,7 @@ def build_session(make_model: Any, cache_path: Path | None) -> tuple[ort.Inferen
         tmp = cache_path.with_name(f".{cache_path.stem}.{os.getpid()}.tmp.onnx")
     sess = ort.InferenceSession(model, sess_options=_session_options(tmp))
     if tmp is not None and cache_path is not None and tmp.exists():
-        os.replace(tmp, cache_path)  # atomic: a half-written cache is never loaded
+        tmp.replace(cache_path)  # atomic: a half-written cache is never loaded
     return sess, "built"
 
 
@@ -133,22 +133,23 @@ class QnnFrozenLinear:
             raise ValueError(f"unknown QNN form {self.form!r}; choose one of {FORMS}")
         self.buckets = tuple(sorted(set(buckets)))
         self._cache_dir, self._model_hash = cache_dir, model_hash
-        self._w = weight.detach().float()
+        self._w: Tensor | None = weight.detach().float()
         self._bias = None if bias is None else bias.detach().float().contiguous()
         self._sessions: dict[tuple[str, int], ort.InferenceSession] = {}
         self.sources: dict[tuple[str, int], str] = {}  # (direction, bucket) -> "cache" | "built"
         self._held: dict[tuple[str, int], int] = {}  # bytes of weight inside each QNN graph (static forms)
         self._host: dict[str, np.ndarray] = {}
-        self._scale: Tensor | None = None
+        self._qw: dict[int, tuple[Tensor, Tensor]] = {}
         self._prepare_host()
-        self._w_fp32_dropped = False
         for direction in ("fwd", "bwd"):
             if not self._dynamic(direction):
-                for t in self.buckets:  # static graphs embed the weight: build all now, then drop the fp32 copy
+                for t in self.buckets:  # static graphs embed the weight: build them all now
                     self._session(direction, t)
-        if not any(self._dynamic(d) for d in ("fwd", "bwd")) or self._quantized_any():
-            self._w_fp32_dropped = True
-        self._w = None if self._w_fp32_dropped else self._w
+        # Everything a later call needs is now inside the QNN graphs, the fp16 host copy or the channel scales:
+        # drop the fp32 weight and the integer grids so no hidden copy stays alive.
+        self._w = None
+        self._chan_scale = {bits: s for bits, (_, s) in self._qw.items()}
+        self._qw = {}
 
     # ---- setup -------------------------------------------------------------------------------------------
     def _precision(self, direction: str) -> str:
@@ -227,8 +228,9 @@ class QnnFrozenLinear:
     def nbytes(self) -> int:
         # Host copies + weight bytes inside QNN static graphs (≈ .bin size per graph, notes §1).
         host = sum(a.nbytes for a in self._host.values())
+        small = sum(s.numel() * 4 for s in self._chan_scale.values())
         bias = 0 if self._bias is None else self._bias.numel() * 4
-        return host + sum(self._held.values()) + bias
+        return host + sum(self._held.values()) + bias + small
 
     def warmup(self) -> None:
         """Build (or load from cache) every bucket's sessions now instead of on first use."""
@@ -267,7 +269,7 @@ class QnnFrozenLinear:
             y = sess.run(None, feeds)[0][:rows]
             return torch.from_numpy(y.astype(np.float32))
         if direction == "bwd":
-            a = a * self._qw[WEIGHT_BITS[p]][1]  # fold the per-output-channel scale into dy
+            a = a * self._chan_scale[WEIGHT_BITS[p]]  # fold the per-output-channel scale into dy
         # Per-call, per-row rescale to [-1, 1]: the graph's static scales assume it; exact since the op is linear.
         r = a.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
         buf = np.zeros((t, a.shape[1]), np.float32)

@@ -43,8 +43,8 @@ def run_pair(cfg: TinyConfig, backend: str, precision: str, buckets: tuple[int, 
 def assert_grads_close(g_ref: dict[str, Tensor], g: dict[str, Tensor], rtol: float) -> None:
     assert g_ref.keys() == g.keys() and len(g) == 2 * 2 * 7
     worst = 0.0
-    for n in g_ref:
-        rel = ((g[n] - g_ref[n]).norm() / g_ref[n].norm().clamp_min(1e-12)).item()
+    for n, ref in g_ref.items():
+        rel = ((g[n] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         worst = max(worst, rel)
         assert rel <= rtol, f"{n}: relative error {rel:.3e} > {rtol:.1e}"
     print(f"worst relative LoRA-grad error {worst:.3e}")
