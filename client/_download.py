@@ -1,0 +1,123 @@
+"""A resumable download target: bytes go to `<file>.part`, verified, then fsync + rename into place."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import BinaryIO
+
+from lorad.client.errors import IntegrityError
+from lorad.client.types import AdapterFormat, DownloadResult
+
+_HASH_BLOCK = 1 << 20  # bytes read at a time when re-hashing an existing .part file
+
+
+class IncompleteDownloadError(IntegrityError):
+    """The stream ended before the announced size; resuming can complete it."""
+
+
+def safe_filename(name: str, fallback: str) -> str:
+    """The daemon's suggested file name reduced to a plain name (no directories, no leading dots)."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(name).name).lstrip(".")
+    return base or fallback
+
+
+class PartFile:
+    """Receives one file's bytes in order, possibly across several streams, into `<final>.part`."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.part = final.with_name(final.name + ".part")
+        self._fh: BinaryIO | None = None
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._total = -1
+        self._sha256 = ""
+
+    def existing_size(self) -> int:
+        """Bytes already in the .part file (0 if there is none): the offset to resume from."""
+        try:
+            return self.part.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def begin(self, total_size: int, sha256: str) -> None:
+        """Opens the .part file for appending after a stream's header announced the whole file."""
+        self.close()
+        self._total, self._sha256 = total_size, sha256.lower()
+        self.part.parent.mkdir(parents=True, exist_ok=True)
+        if self.existing_size() > total_size:
+            self.part.unlink()  # left over from another file: start over
+        self._hash = hashlib.sha256()
+        self._fh = self.part.open("a+b")  # held open across chunks; closed in close()
+        self._fh.seek(0)
+        while block := self._fh.read(_HASH_BLOCK):
+            self._hash.update(block)
+        self._size = self._fh.tell()
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Appends the chunk that starts at `offset`.
+
+        Raises:
+            IntegrityError: The chunk is not the next one, or the file grows past its announced size.
+        """
+        if self._fh is None:
+            raise IntegrityError("download stream sent a chunk before its header")
+        if offset != self._size:
+            raise IntegrityError(f"download chunk at offset {offset}, expected {self._size}")
+        if self._size + len(data) > self._total:
+            raise IntegrityError(f"download exceeds the announced size of {self._total} bytes")
+        self._fh.write(data)
+        self._hash.update(data)
+        self._size += len(data)
+
+    @property
+    def size(self) -> int:
+        """Bytes received so far, including any resumed prefix."""
+        return self._size
+
+    @property
+    def total(self) -> int:
+        """The announced size of the whole file, bytes (-1 before the header)."""
+        return self._total
+
+    def finish(self, fmt: AdapterFormat, resumed_from: int) -> DownloadResult:
+        """Verifies size and sha256, then fsyncs and renames the .part file into place.
+
+        Raises:
+            IncompleteDownloadError: Fewer bytes than announced arrived (resume to complete).
+            IntegrityError: The size or digest differs from the header.
+        """
+        if self._fh is None:
+            raise IncompleteDownloadError("download stream ended before its header")
+        if self._size < self._total:
+            raise IncompleteDownloadError(f"download stream ended at {self._size} of {self._total} bytes")
+        digest = self._hash.hexdigest()
+        if digest != self._sha256:
+            raise IntegrityError(
+                f"sha256 of {self.part} is {digest}, the daemon announced {self._sha256}; the file was discarded"
+            )
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.close()
+        self.part.replace(self.final)
+        dir_fd = os.open(self.final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+        return DownloadResult(str(self.final), self._size, digest, fmt, resumed_from)
+
+    def discard(self) -> None:
+        """Deletes the .part file (its content cannot be trusted)."""
+        self.close()
+        self.part.unlink(missing_ok=True)
+        self._size = 0
+
+    def close(self) -> None:
+        """Closes the .part file, keeping its content for a later resume."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
