@@ -88,11 +88,17 @@ def capture_rng() -> dict[str, Any]:
     """The global RNG states that training consumes: torch CPU, python `random`, numpy (as plain lists)."""
     import numpy as np
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "numpy": [
+            str(kind),
+            torch.from_numpy(np.asarray(keys).astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(gauss),
+        ],
     }
 
 

@@ -44,12 +44,11 @@ Sample = TextSample | ChatSample
 class ChatTokenizer(Protocol):
     """What the data pipeline needs from the model's tokenizer wrapper."""
 
-    @property
-    def eos_id(self) -> int: ...
+    eos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[bool]]:
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
         """Token ids of the chat template applied to `messages` and a mask that is True on assistant tokens."""
         ...
 
@@ -160,7 +159,8 @@ def _render(sample: Sample, tok: ChatTokenizer) -> tuple[list[int], list[bool], 
     if isinstance(sample, TextSample):
         if not isinstance(sample.text, str) or not sample.text.strip():
             raise _RejectError("empty", "text is empty or whitespace")
-        ids = [*list(tok.encode(sample.text)), tok.eos_id]
+        eos = [] if tok.eos_id is None else [int(tok.eos_id)]
+        ids = [*tok.encode(sample.text), *eos]
         return ids, [True] * len(ids), False
     if isinstance(sample, ChatSample):
         if not sample.messages:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_tiny import make_trainer
-
 from lorad.server.training import checkpoint as ckpt
 from lorad.server.training.config import TrainConfig
+from train_tiny import make_trainer
 
 HERE = Path(__file__).parent
 CFG = TrainConfig(steps=6, seq_len=32, lr=5e-3, eval_fraction=0.0, keep_checkpoints=2, dropout=0.1)
@@ -67,7 +66,7 @@ t.train_step(); t.save_checkpoint(); t.train_step()
 Path.replace = lambda self, target: os._exit(9)  # die like kill -9 after the temp file is written and fsynced
 t.save_checkpoint()
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert p.returncode == 9, p.stderr
     names = sorted(x.name for x in tmp_path.iterdir())
     assert names[-1] == "step-00000001.pt" and len(names) == 2 and names[0].startswith(".tmp-step-00000002.pt")
@@ -115,8 +114,14 @@ def test_rng_roundtrip() -> None:
 
 def _worker(mode: str, ckpt_dir: Path, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, str(HERE / "train_resume_worker.py"), mode, str(ckpt_dir), str(out)],
-                       capture_output=True, text=True, timeout=180, env=env)
+    p = subprocess.run(
+        [sys.executable, str(HERE / "train_resume_worker.py"), mode, str(ckpt_dir), str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(Path(str(out) + ".json").read_text())
 

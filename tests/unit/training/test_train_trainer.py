@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_tiny import make_trainer
-
 from lorad.server.training import checkpoint as ckpt
 from lorad.server.training.config import TrainConfig
 from lorad.server.training.trainer import Progress
+from train_tiny import make_trainer
 
-CFG = TrainConfig(steps=6, seq_len=32, batch_size=2, lr=1e-2, warmup_steps=1, eval_fraction=0.2, eval_every=2,
-                  dropout=0.1, seed=3)
+CFG = TrainConfig(
+    steps=6, seq_len=32, batch_size=2, lr=1e-2, warmup_steps=1, eval_fraction=0.2, eval_every=2, dropout=0.1, seed=3
+)
 
 
 def test_progress_eval_and_learning() -> None:

@@ -5,14 +5,25 @@ import sys
 from pathlib import Path
 
 import torch
-from train_tiny import make_trainer
-
 from lorad.server.training import checkpoint as ckpt
 from lorad.server.training.config import TrainConfig
+from train_tiny import make_trainer
 
-CFG = TrainConfig(steps=8, seq_len=32, batch_size=2, grad_accum=2, lr=5e-3, warmup_steps=2, dropout=0.1,
-                  weight_decay=0.01, max_grad_norm=1.0, clip_mode="per_layer", eval_fraction=0.2, eval_every=3,
-                  seed=11)
+CFG = TrainConfig(
+    steps=8,
+    seq_len=32,
+    batch_size=2,
+    grad_accum=2,
+    lr=5e-3,
+    warmup_steps=2,
+    dropout=0.1,
+    weight_decay=0.01,
+    max_grad_norm=1.0,
+    clip_mode="per_layer",
+    eval_fraction=0.2,
+    eval_every=3,
+    seed=11,
+)
 
 
 def main(mode: str, ckpt_dir: str, out: str) -> None:
@@ -20,8 +31,9 @@ def main(mode: str, ckpt_dir: str, out: str) -> None:
     paused_at = CFG.steps // 2
     done: list[int] = []
     if mode == "half":
-        t = make_trainer(CFG, Path(ckpt_dir), on_progress=lambda p: done.append(p.step),
-                         should_pause=lambda: len(done) >= paused_at)
+        t = make_trainer(
+            CFG, Path(ckpt_dir), on_progress=lambda p: done.append(p.step), should_pause=lambda: len(done) >= paused_at
+        )
     else:
         t = make_trainer(CFG, Path(ckpt_dir))
     if mode == "resume":
@@ -31,8 +43,9 @@ def main(mode: str, ckpt_dir: str, out: str) -> None:
     r = t.run()
     t.close()
     torch.save(t.model.lora_state_dict(), out + ".pt")
-    Path(out + ".json").write_text(json.dumps({"status": r.status, "step": r.step, "losses": r.losses,
-                                               "eval": r.eval_losses}))
+    Path(out + ".json").write_text(
+        json.dumps({"status": r.status, "step": r.step, "losses": r.losses, "eval": r.eval_losses})
+    )
 
 
 if __name__ == "__main__":

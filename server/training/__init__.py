@@ -1,0 +1,40 @@
+"""LoRA training: samples → packed batches → layer-wise overlapped AdamW → exact checkpoints, as one recipe.
+
+Public surface:
+- ``TrainConfig``, ``ConfigError`` (config)
+- ``TextSample``, ``ChatSample``, ``Message``, ``prepare``, ``PreparedData``, ``DataReport``, ``DataError`` (data)
+- ``pack``, ``BatchStream`` (packing); ``lr_at`` (schedule); ``LayerwiseAdamW`` (optim)
+- ``Trainer``, ``Progress``, ``TrainResult`` (trainer); ``checkpoint`` module (save/list/load, CheckpointError)
+- ``run_recipe``, ``RecipeResult`` (recipe: setup → train → save → cleanup)
+"""
+
+from lorad.server.training import checkpoint
+from lorad.server.training.config import ConfigError, TrainConfig
+from lorad.server.training.data import ChatSample, DataError, DataReport, Message, PreparedData, TextSample, prepare
+from lorad.server.training.optim import LayerwiseAdamW
+from lorad.server.training.packing import BatchStream, pack
+from lorad.server.training.recipe import RecipeResult, run_recipe
+from lorad.server.training.schedule import lr_at
+from lorad.server.training.trainer import Progress, Trainer, TrainResult
+
+__all__ = [
+    "BatchStream",
+    "ChatSample",
+    "ConfigError",
+    "DataError",
+    "DataReport",
+    "LayerwiseAdamW",
+    "Message",
+    "PreparedData",
+    "Progress",
+    "RecipeResult",
+    "TextSample",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "checkpoint",
+    "lr_at",
+    "pack",
+    "prepare",
+    "run_recipe",
+]

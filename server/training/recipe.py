@@ -1,0 +1,170 @@
+"""The LoRA training recipe, top to bottom: setup → train → save → cleanup."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from lorad.server.training import checkpoint as ckpt
+from lorad.server.training.config import TrainConfig
+from lorad.server.training.data import DataReport, Sample, prepare
+from lorad.server.training.trainer import Progress, Trainer
+
+log = structlog.get_logger(__name__)
+
+# Precision used for precision="auto" until a calibrated PrecisionPlan is passed in: the cheapest precision each
+# backend runs natively (ort-cpu: one int8 per-channel weight copy for both directions; HTP: fp16 graphs).
+AUTO_PRECISION = {"torch": "fp32", "ort-cpu": "w8a8", "qnn-htp": "fp16"}
+
+
+@dataclass
+class RecipeResult:
+    """Outcome of one recipe run (one RUNNING period of a job)."""
+
+    status: str
+    step: int
+    backend: str
+    backend_reason: str
+    precision: str
+    losses: list[float]
+    eval_losses: list[tuple[int, float]]
+    data_report: DataReport
+    resumed_from: int | None = None
+    adapter_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python `random`, numpy and torch (adapter init and dropout draw from torch's CPU generator)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def resolve_precision(precision: str, backend: str) -> str:
+    """The precision name for a backend: `precision` itself, or the backend's AUTO_PRECISION for "auto"."""
+    return AUTO_PRECISION.get(backend, "fp32") if precision == "auto" else precision
+
+
+def save_adapter_files(model: Any, out: Path, metadata: dict[str, Any]) -> Path:
+    """Default adapter writer: PEFT-named `adapter_model.safetensors` plus `training_metadata.json`, each atomic.
+
+    The daemon passes the adapter registry's writer instead (full PEFT config, GGUF export).
+    """
+    from safetensors.torch import save as st_save
+
+    blob = st_save({k: v.contiguous() for k, v in model.lora_state_dict().items()})
+    ckpt.atomic_write(out / "adapter_model.safetensors", lambda f: f.write(blob))
+    meta = json.dumps(metadata, indent=2, sort_keys=True).encode()
+    ckpt.atomic_write(out / "training_metadata.json", lambda f: f.write(meta))
+    return out
+
+
+def run_recipe(
+    cfg: TrainConfig,
+    samples: Sequence[Sample],
+    *,
+    work_dir: Path,
+    cache_root: Path,
+    model_source: str | Path | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    should_pause: Callable[[], bool] | None = None,
+    load: Callable[..., Any] | None = None,
+    save_adapter: Callable[[Any, Path, dict[str, Any]], Path] = save_adapter_files,
+) -> RecipeResult:
+    """Trains a LoRA adapter on `samples`, resuming from the newest checkpoint in `work_dir` if there is one.
+
+    Args:
+        cfg: validated hyper-parameters.
+        samples: the job's samples (a fixed data window; the checkpoint remembers its fingerprint).
+        work_dir: the job's directory: `checkpoints/` and, when finished, `adapter/`.
+        cache_root: model conversion + backend cache.
+        model_source: HF folder, GGUF file, or None for the bundled SmolLM2-135M-Instruct.
+        on_progress: called after every step.
+        should_pause: polled at step boundaries; True → checkpoint and return status "paused".
+        load: model loader with `lorad.server.models.loader.load_model`'s signature (tests inject tiny models).
+        save_adapter: writes the finished adapter; returns its directory.
+
+    Returns:
+        The result; status "completed" (adapter saved) or "paused" (checkpoint saved).
+    """
+    # -- setup ---------------------------------------------------------------------------------------------------
+    from lorad.kernels import detect_backend
+    from lorad.server.models import LoraConfig
+
+    if load is None:
+        from lorad.server.models.loader import load_model
+
+        load = load_model
+    info = detect_backend(cfg.backend)
+    precision = resolve_precision(cfg.precision, info.name)
+    seed_everything(cfg.seed)
+    lora = LoraConfig(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=cfg.targets)
+    loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=precision, lora=lora)
+    tok = loaded.tokenizer
+    data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
+    pad_id = tok.eos_id if tok.eos_id is not None else 0
+    ckpt_dir = work_dir / "checkpoints"
+    trainer = Trainer(
+        loaded.model,
+        cfg,
+        data,
+        pad_id=pad_id,
+        checkpoint_dir=ckpt_dir,
+        on_progress=on_progress,
+        should_pause=should_pause,
+    )
+    ckpt.remove_stale_temps(ckpt_dir)
+    last = ckpt.latest(ckpt_dir)
+    if last is not None:
+        trainer.restore(last.path)
+    log.info(
+        "recipe_setup",
+        backend=info.name,
+        precision=precision,
+        resumed_from=last.step if last else None,
+        train_samples=data.report.train_samples,
+        eval_samples=data.report.eval_samples,
+    )
+    try:
+        # -- train -----------------------------------------------------------------------------------------------
+        res = trainer.run()
+        # -- save ------------------------------------------------------------------------------------------------
+        adapter_dir = None
+        if res.status == "completed":
+            meta = {
+                "base_model_hash": loaded.model_hash,
+                "tokenizer_hash": loaded.tokenizer_hash,
+                "config": cfg.to_dict(),
+                "backend": info.name,
+                "precision": precision,
+                "steps": res.step,
+                "data_fingerprint": data.fingerprint,
+                "data_report": data.report.to_dict(),
+                "final_loss": res.losses[-1] if res.losses else None,
+                "eval_losses": [list(e) for e in res.eval_losses],
+            }
+            adapter_dir = save_adapter(loaded.model, work_dir / "adapter", meta)
+    finally:
+        # -- cleanup ---------------------------------------------------------------------------------------------
+        trainer.close()
+    return RecipeResult(
+        res.status,
+        res.step,
+        info.name,
+        info.reason,
+        precision,
+        res.losses,
+        res.eval_losses,
+        data.report,
+        last.step if last else None,
+        adapter_dir,
+    )
