@@ -19,6 +19,7 @@ from lorad.kernels._quant import PRECISIONS
 from lorad.kernels.detect import BackendInfo, detect_backend
 from lorad.kernels.frozen import BACKENDS, FrozenLinear, make_frozen_linear, memory_report
 from lorad.kernels.lora import FrozenMatmul, LoRALinear
+from lorad.kernels.planner import Measurement, PrecisionPlan, plan_precision
 from lorad.kernels.queue import NpuQueue
 
 __all__ = [
@@ -28,8 +29,11 @@ __all__ = [
     "FrozenLinear",
     "FrozenMatmul",
     "LoRALinear",
+    "Measurement",
     "NpuQueue",
+    "PrecisionPlan",
     "detect_backend",
     "make_frozen_linear",
     "memory_report",
+    "plan_precision",
 ]

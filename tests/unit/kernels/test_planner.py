@@ -1,0 +1,91 @@
+"""Precision planner: constructed insensitive/sensitive layers, JSON round trip, table."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from lorad.kernels import LoRALinear, PrecisionPlan, make_frozen_linear, plan_precision
+from torch import nn
+
+INT = ("w8a16", "w8a8", "w4a16")
+
+
+def _on_grid(out_f: int, in_f: int, g: torch.Generator) -> torch.Tensor:
+    # Every row is an exact multiple of its per-channel int8 step: weight quantization is lossless.
+    step = torch.rand(out_f, 1, generator=g) * 1e-3 + 1e-3
+    k = torch.randint(-127, 128, (out_f, in_f), generator=g).float()
+    k[:, 0] = 127  # pins each row's absmax so the step is exactly `step`
+    return k * step
+
+
+def _outliers(out_f: int, in_f: int, g: torch.Generator) -> torch.Tensor:
+    # One huge entry per row: its per-channel int8 step flushes every other entry to zero. The model feeds 0 into
+    # that column, so the output depends only on the flushed small entries.
+    w = torch.randn(out_f, in_f, generator=g) * 0.1
+    w[:, 0] = 500.0
+    return w
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.easy = LoRALinear(make_frozen_linear(w1, None, backend="torch"), 4, 8.0)
+        self.hard = LoRALinear(make_frozen_linear(w2, None, backend="torch"), 4, 8.0)
+        self.register_buffer("mask", torch.ones(w2.shape[1]).index_fill_(0, torch.tensor([0]), 0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hard(torch.tanh(self.easy(x)) * self.mask)
+
+
+def _setup():
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = _on_grid(24, 16, g), _outliers(24, 24, g)
+    model = TwoLayer(w1, w2)
+    with torch.no_grad():
+        for m in (model.easy, model.hard):
+            m.lora_B.normal_(generator=g)
+    x = torch.randn(32, 16, generator=g, requires_grad=True)
+    target = torch.randn(32, 24, generator=g)
+
+    def loss_fn() -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), target)
+
+    return model, loss_fn, {"easy": (w1, None), "hard": (w2, None)}
+
+
+def test_insensitive_layer_lowered_sensitive_kept_high() -> None:
+    model, loss_fn, weights = _setup()
+    plan = plan_precision(model, loss_fn, weights, candidates=("fp16", "w8a16", "w8a8", "w4a16"), budget=0.02)
+    easy, hard = plan.layers["easy"], plan.layers["hard"]
+    print(plan.table())
+    assert easy.precision_fwd in INT and easy.precision_bwd in INT, plan.table()
+    assert hard.precision_fwd not in INT and hard.precision_bwd not in INT, plan.table()
+    # The measured numbers behind it: int8 on the outlier layer moves the gradients a lot, on the grid layer not.
+    assert hard.measured("fwd", "w8a16").error > 0.1
+    assert easy.measured("fwd", "w8a16").error < 1e-3
+    assert plan.estimated_error <= 0.02
+    assert plan.verified["cos_da"] > 0.99
+    assert plan.weight_bytes() < 4 * (24 * 16 + 24 * 24)
+    # The model got its original frozen linears back.
+    assert model.easy.frozen.precision_fwd == "fp32" and model.hard.frozen.precision_fwd == "fp32"
+
+
+def test_zero_budget_keeps_everything_at_reference_unless_free() -> None:
+    model, loss_fn, weights = _setup()
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=0.0, verify=False)
+    assert plan.precisions("hard") == ("fp32", "fp32")
+    assert plan.estimated_error == 0.0
+
+
+def test_plan_round_trips_through_json_and_prints_numbers() -> None:
+    model, loss_fn, weights = _setup()
+    plan = plan_precision(model, loss_fn, weights, candidates=("fp16", "w8a8"), budget=0.05, cost="time")
+    text = json.dumps(plan.to_dict())
+    back = PrecisionPlan.from_dict(json.loads(text))
+    assert back.to_dict() == plan.to_dict()
+    assert back.precisions("easy") == plan.precisions("easy")
+    table = plan.table()
+    m = plan.layers["hard"].measured("bwd", "w8a8")
+    assert f"{m.error:9.2e}".strip() in table
+    assert "easy" in table and "hard" in table
