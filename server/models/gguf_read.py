@@ -73,6 +73,28 @@ def hf_name(gguf_name: str) -> str:
     return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
 
 
+def gguf_name(hf: str) -> str:
+    """Maps an HF tensor name (`model.layers.3.self_attn.q_proj.weight`) to llama.cpp's (`blk.3.attn_q.weight`).
+
+    Raises:
+        KeyError: The tensor has no GGUF counterpart.
+    """
+    inv_block = {v: k for k, v in _BLOCK_NAMES.items()}
+    inv_top = {v: k for k, v in _TOP_NAMES.items()}
+    if hf.startswith("model.layers."):
+        _, _, i, rest = hf.split(".", 3)
+        mod, kind = rest.rsplit(".", 1)
+        return f"blk.{i}.{inv_block[mod]}.{kind}"
+    mod, kind = hf.rsplit(".", 1)
+    return f"{inv_top[mod]}.{kind}"
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Llama q/k row permutation (convert_hf_to_gguf `permute`), the inverse of `unpermute_qk`."""
+    shape = w.shape
+    return w.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undoes llama.cpp's Llama q/k row permutation (convert_hf_to_gguf `permute`) for [out, ...] weights/biases.
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_hf, write_tiny_gguf
 from lorad.server.models import OWN, AdapterWeights, LoraConfig, load_model
 from lorad.server.models.generate import SamplingConfig, generate, generate_ids
+from tiny_models import save_tiny_hf, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

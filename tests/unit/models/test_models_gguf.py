@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, save_tiny_hf, write_tiny_gguf
 from lorad.server.models.cache import read_manifest
 from lorad.server.models.gguf_read import read_gguf
 from lorad.server.models.loader import load_model, resolve
+from tiny_models import CORPUS, save_tiny_hf, write_tiny_gguf
 from tokenizers import Tokenizer
 
 

@@ -10,7 +10,7 @@ from lorad.server.models.build import build_model
 from lorad.server.models.config import LoraConfig
 from lorad.server.models.hf_folder import read_config, read_weights
 
-VOCAB = 320  # conftest.VOCAB
+VOCAB = 320  # tiny_models.VOCAB
 
 
 def _hf(path: Path) -> torch.nn.Module:

@@ -1,0 +1,67 @@
+"""Exports base + adapter as one merged full model (HF safetensors folder that transformers loads)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import structlog
+import torch
+from lorad.server.adapters.peft_io import Adapter
+from lorad.server.models.atomic import commit_dir, make_temp_dir
+from lorad.server.models.hf_folder import read_weights
+from safetensors.torch import save_file
+
+log = structlog.get_logger(__name__)
+
+_COPY = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+
+
+def merge_weights(base: dict[str, torch.Tensor], adapter: Adapter) -> dict[str, torch.Tensor]:
+    """W' = W + (alpha/r)·B·A for every adapted projection; other tensors are passed through (float32).
+
+    Raises:
+        KeyError: The adapter targets a module the base does not have.
+    """
+    out = {k: v.float() for k, v in base.items()}
+    aw = adapter.weights()
+    for mod, (a, b) in aw.tensors.items():
+        key = mod + ".weight"
+        if key not in out:
+            raise KeyError(f"adapter targets {mod!r}, which the base checkpoint lacks")
+        out[key] = out[key] + aw.scale * (b.double() @ a.double()).float()  # double: one rounding per weight
+    return out
+
+
+def export_merged(base_dir: Path, adapter: Adapter, out_dir: Path) -> Path:
+    """Writes the merged model as `out_dir` (model.safetensors + config + tokenizer files), atomically.
+
+    Args:
+        base_dir: The base checkpoint folder (an HF folder or lorad's converted cache entry).
+        adapter: Adapter trained on that base (check it with `Adapter.check_base` first).
+        out_dir: Output folder (replaced if it exists).
+
+    Returns:
+        `out_dir`.
+    """
+    base = read_weights(base_dir)
+    merged = merge_weights(base, adapter)
+    cfg = json.loads((base_dir / "config.json").read_text())
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in merged:
+        merged.pop("lm_head.weight")  # tied: transformers re-ties it to the embedding
+    tmp = make_temp_dir(out_dir)
+    save_file({k: v.contiguous() for k, v in merged.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name in _COPY:
+        if (base_dir / name).is_file():
+            shutil.copyfile(base_dir / name, tmp / name)
+    commit_dir(tmp, out_dir)
+    log.info("merged_model_exported", tensors=len(merged))
+    return out_dir
