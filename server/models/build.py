@@ -20,7 +20,7 @@ def layer_precision(precision: Any, name: str) -> tuple[str, str | None]:
     """(forward, backward) precision for layer `name` from a single precision string or a PrecisionPlan."""
     if isinstance(precision, str):
         return precision, None
-    fwd, bwd = precision.for_layer(name)
+    fwd, bwd = precision.precisions(name)  # lorad.kernels.PrecisionPlan
     return str(fwd), (None if bwd is None else str(bwd))
 
 
@@ -40,8 +40,8 @@ def build_model(
         cfg: Architecture.
         weights: HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...); any float dtype.
         backend: lorad.kernels backend name ("torch", "ort-cpu", "qnn-htp").
-        precision: One precision for every linear ("fp32", "fp16", "w8a16", "w8a8") or a PrecisionPlan
-            (anything with `for_layer(name) -> (fwd, bwd)`).
+        precision: One precision for every linear ("fp32", "fp16", "w8a16", "w8a8") or a
+            lorad.kernels PrecisionPlan (`precisions(name) -> (fwd, bwd)`, names as HF modules and "lm_head").
         lora: Adapter shape, or None for a base-only model (no trainable parameters).
         cache_dir: Backend cache (QNN EP contexts).
         model_hash: Base model content hash (part of backend cache keys).

@@ -86,3 +86,15 @@ def test_lora_groups_ordered_and_state_dict_names(hf_dirs: dict[str, Path]) -> N
     assert all(torch.equal(v, model.lora_state_dict()[k]) for k, v in sd.items())
     with pytest.raises(KeyError, match="missing"):
         model.load_lora_state_dict({})
+
+
+def test_precision_plan_sets_each_layer(hf_dirs: dict[str, Path]) -> None:
+    from lorad.kernels.planner import LayerPlan, PrecisionPlan
+
+    path = hf_dirs["llama"]
+    q0 = "model.layers.0.self_attn.q_proj"
+    plan = PrecisionPlan("torch", "fp32", 0.01, "bytes", {q0: LayerPlan(q0, (64, 64), "fp16", "w8a16", [])})
+    model = build_model(read_config(path), read_weights(path), precision=plan, lora=LoraConfig(rank=2, alpha=4))
+    f = model.layers[0].self_attn.q_proj.frozen
+    assert (f.precision_fwd, f.precision_bwd) == ("fp16", "w8a16")
+    assert model.layers[1].self_attn.q_proj.frozen.precision_fwd == "fp32"  # not in the plan -> reference
