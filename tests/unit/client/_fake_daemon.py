@@ -302,13 +302,13 @@ class Adapters(adapters_pb2_grpc.AdapterServiceServicer):
             await ctx.abort(grpc.StatusCode.OUT_OF_RANGE, "read_offset beyond the file size")
         self.st.download_offsets.append(req.read_offset)
         sha = self.st.adapter_sha_override or hashlib.sha256(blob).hexdigest()
+        cut = self.st.download_cut_after_chunks.pop(0) if self.st.download_cut_after_chunks else -1
         yield adapters_pb2.DownloadAdapterResponse(
             header=adapters_pb2.DownloadHeader(
                 total_size_bytes=len(blob), sha256=sha, filename=f"{req.adapter_id}.peft.tar", format=req.format
             ),
             offset=req.read_offset,
         )
-        cut = self.st.download_cut_after_chunks.pop(0) if self.st.download_cut_after_chunks else -1
         for n, off in enumerate(range(req.read_offset, len(blob), CHUNK)):
             if n == cut:
                 await ctx.abort(grpc.StatusCode.UNAVAILABLE, "injected stream break")

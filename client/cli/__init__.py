@@ -1,0 +1,87 @@
+"""The `lorad` command line, built on the SDK (entry point `lorad.client.cli:main`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lorad import __version__
+from lorad.client.cli import _apps_data, _jobs, _misc
+from lorad.client.cli._context import global_options, opt
+from lorad.client.cli._output import (
+    EXIT_CODES_HELP,
+    EXIT_OK,
+    EXIT_USAGE,
+    report_error,
+)
+from lorad.client.errors import InvalidArgument, LoradError
+
+DESCRIPTION = """\
+lorad personalizes a small language model on this device: apps submit their user's notes and chats, a
+nightly job trains a LoRA adapter while the phone charges (on the NPU where there is one), and apps
+download the adapter or generate with it.
+
+typical session:
+  lorad serve &                                   # the daemon (or its system service)
+  lorad app register notes --save                 # device owner: a token for the app
+  lorad data add diary notes.jsonl                # the app's samples
+  lorad train diary --nightly "30 2 * * *"        # or now: lorad train diary --watch
+  lorad adapters pull job_... -o adapter.tar      # sha256-verified, resumable
+  lorad generate "What is my dog called?" --adapter job_...
+"""
+
+EPILOG = (
+    EXIT_CODES_HELP
+    + """
+configuration: --target/--token/--data-dir, else LORAD_TARGET, LORAD_TOKEN (app) / LORAD_OWNER_TOKEN,
+LORAD_STORAGE_DATA_DIR, else ~/.config/lorad/client.toml (target, token, data_dir, timeout_seconds),
+else the daemon's default socket <data_dir>/run/lorad.sock.
+"""
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `lorad` argument parser."""
+    parent = global_options()
+    parser = argparse.ArgumentParser(
+        prog="lorad",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        parents=[parent],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"lorad {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _apps_data.add_parsers(sub, parent)
+    _jobs.add_parsers(sub, parent)
+    _misc.add_parsers(sub, parent)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one `lorad` command and returns its exit code (see `lorad --help`)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse exits 2 on usage errors and 0 for --help
+        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+    as_json = bool(opt(args, "json", False))
+    try:
+        return int(args.func(args))
+    except LoradError as err:
+        return report_error(err, as_json)
+    except ValueError as err:  # bad option values the SDK or CLI rejected before any call
+        return report_error(InvalidArgument(str(err), code="INVALID_ARGUMENT"), as_json)
+    except KeyboardInterrupt:
+        print("lorad: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+    except OSError as err:
+        return report_error(LoradError(f"{err.strerror or err}: {err.filename or ''}".rstrip(": ")), as_json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

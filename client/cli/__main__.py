@@ -1,0 +1,7 @@
+"""`python -m lorad.client.cli`: the lorad command line."""
+
+import sys
+
+from lorad.client.cli import main
+
+sys.exit(main())

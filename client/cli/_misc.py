@@ -1,0 +1,253 @@
+"""`lorad adapters ...`, `lorad generate`, `lorad status` and `lorad serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lorad.client.cli._context import make_client, opt
+from lorad.client.cli._output import EXIT_FAILURE, EXIT_OK, human_bytes, print_json, print_table, when
+from lorad.client.cli.progress import bar
+from lorad.client.types import AdapterFormat, DeviceStatus
+
+
+def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
+    """Registers `adapters`, `generate`, `status` and `serve`."""
+    ad = sub.add_parser("adapters", parents=[parent], help="list, pull (download) and delete adapters")
+    ads = ad.add_subparsers(dest="action", required=True, metavar="{list,show,pull,delete}")
+    ads.add_parser("list", parents=[parent], help="list adapters, newest first").set_defaults(func=adapters_list)
+    sh = ads.add_parser("show", parents=[parent], help="show one adapter with its precision plan")
+    sh.add_argument("adapter_id")
+    sh.set_defaults(func=adapters_show)
+    pull = ads.add_parser(
+        "pull",
+        parents=[parent],
+        help="download an adapter (sha256-verified, resumable)",
+        description="Bytes go to <path>.part; an interrupted pull resumes from it when run again.",
+    )
+    pull.add_argument("adapter", help="adapter id, or a job id (job_...) whose adapter to pull")
+    pull.add_argument("-o", "--output", type=Path, default=Path(), help="file or directory (default: .)")
+    pull.add_argument(
+        "--format",
+        choices=[f.value for f in AdapterFormat],
+        default="peft",
+        help="peft: tar of the PEFT folder; gguf: llama.cpp --lora file; merged: tar of a full model",
+    )
+    pull.add_argument("--force", action="store_true", help="overwrite an existing file")
+    pull.set_defaults(func=adapters_pull)
+    de = ads.add_parser("delete", parents=[parent], help="delete an adapter and its exports")
+    de.add_argument("adapter_id")
+    de.set_defaults(func=adapters_delete)
+
+    gen = sub.add_parser("generate", parents=[parent], help="generate text with the base model or an adapter")
+    gen.add_argument("prompt", help="the user's message ('-' reads stdin)")
+    gen.add_argument("--adapter", default=None, help="adapter id or job id (default: base model only)")
+    gen.add_argument("--system", default=None, help="a system message before the prompt")
+    gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
+    gen.add_argument("--max-tokens", type=int, default=0, help="new tokens, up to 2048 (default 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.set_defaults(func=generate)
+
+    sub.add_parser(
+        "status", parents=[parent], help="backend, device readings, and what the current job waits for"
+    ).set_defaults(func=status)
+
+    srv = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground (needs `pip install 'lorad[server]'`)",
+        add_help=False,
+        description="All arguments are passed to the daemon; `lorad serve --help` shows its options.",
+    )
+    srv.add_argument("daemon_args", nargs=argparse.REMAINDER)
+    srv.set_defaults(func=serve)
+
+
+def adapters_list(args: argparse.Namespace) -> int:
+    """Lists adapters."""
+    with make_client(args) as c:
+        ads = c.list_adapters()
+    if opt(args, "json"):
+        print_json(ads)
+    else:
+        rows = [
+            (
+                a.adapter_id,
+                a.job_id,
+                a.base_model,
+                a.lora.rank,
+                a.steps,
+                f"{a.eval_loss_before:.3f} -> {a.eval_loss_after:.3f}",
+                human_bytes(a.size_bytes),
+                when(a.created_at_ms),
+            )
+            for a in ads
+        ]
+        print_table(rows, ("ADAPTER", "JOB", "BASE", "RANK", "STEPS", "EVAL LOSS", "SIZE", "CREATED"))
+    return EXIT_OK
+
+
+def adapters_show(args: argparse.Namespace) -> int:
+    """Shows one adapter."""
+    with make_client(args) as c:
+        a = c.get_adapter(args.adapter_id)
+    if opt(args, "json"):
+        print_json(a)
+        return EXIT_OK
+    print(f"adapter  {a.adapter_id} (job {a.job_id})")
+    print(f"base     {a.base_model} sha256 {a.base_model_sha256[:16]}…")
+    print(f"lora     rank {a.lora.rank}, alpha {a.lora.alpha:g}, targets {','.join(a.lora.target_modules) or 'all'}")
+    print(
+        f"trained  {a.steps} steps on {a.sample_count} samples; held-out loss {a.eval_loss_before:.3f} -> "
+        f"{a.eval_loss_after:.3f}; train loss {a.train_loss:.3f}"
+    )
+    if a.precision_plan:
+        print_table([(p.layer, p.forward, p.backward) for p in a.precision_plan], ("LAYER", "FORWARD", "BACKWARD"))
+    return EXIT_OK
+
+
+class _PullProgress:
+    """A byte-count bar on a TTY, silence otherwise (pipes get the final line only)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.tty or (now - self._last < 0.1 and done < total):
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        sys.stderr.write(f"\r\x1b[2K{bar(frac, 30)} {human_bytes(done)} / {human_bytes(total)}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def adapters_pull(args: argparse.Namespace) -> int:
+    """Downloads an adapter."""
+    with make_client(args) as c:
+        r = c.download_adapter(
+            args.adapter,
+            args.output,
+            args.format,
+            overwrite=args.force,
+            on_progress=None if opt(args, "json") else _PullProgress(),
+        )
+    if opt(args, "json"):
+        print_json(r)
+    else:
+        resumed = f", resumed at {human_bytes(r.resumed_from)}" if r.resumed_from else ""
+        print(f"{r.path}: {human_bytes(r.size_bytes)}, sha256 {r.sha256} verified{resumed}")
+    return EXIT_OK
+
+
+def adapters_delete(args: argparse.Namespace) -> int:
+    """Deletes an adapter."""
+    with make_client(args) as c:
+        freed = c.delete_adapter(args.adapter_id)
+    if opt(args, "json"):
+        print_json({"deleted": args.adapter_id, "freed_bytes": freed})
+    else:
+        print(f"deleted {args.adapter_id} ({human_bytes(freed)} freed)")
+    return EXIT_OK
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Streams generated text to stdout."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    kwargs = dict(
+        adapter=args.adapter,
+        system=args.system,
+        raw=args.raw,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    with make_client(args) as c:
+        if opt(args, "json"):
+            chunks = list(c.generate(prompt, **kwargs))
+            print_json(
+                {
+                    "text": "".join(x.text for x in chunks),
+                    "token_count": chunks[-1].token_count if chunks else 0,
+                    "prompt_token_count": chunks[0].prompt_token_count if chunks else 0,
+                    "finish_reason": chunks[-1].finish_reason if chunks else None,
+                }
+            )
+            return EXIT_OK
+        for chunk in c.generate(prompt, **kwargs):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return EXIT_OK
+
+
+def _yes_no(v: bool | None) -> str:
+    return "unknown" if v is None else ("yes" if v else "no")
+
+
+def print_status(s: DeviceStatus) -> None:
+    """The human form of `lorad status`."""
+    b, r = s.backend, s.readings
+    soc = f" (SoC {b.soc_model}, HTP {b.htp_arch})" if b.soc_model else ""
+    print(f"daemon    lorad {s.version}")
+    print(f"backend   {b.backend.value}{soc}: {b.reason}")
+    for av in b.available:
+        print(f"          {av.backend.value}: {'usable' if av.usable else 'unusable'} {av.detail}".rstrip())
+    temp = "unknown" if r.temperature_celsius is None else f"{r.temperature_celsius:.1f} °C"
+    batt = "unknown" if r.battery_percent is None else f"{r.battery_percent}%"
+    print(
+        f"device    battery {batt}, charging {_yes_no(r.charging)}, temperature {temp}, idle {_yes_no(r.idle)} "
+        f"(from {r.source or '?'})"
+    )
+    if s.can_train:
+        print("training  allowed now")
+    else:
+        reasons = ", ".join(x.value.replace("_", " ") for x in s.blocked_reasons) or "unknown"
+        print(f"training  blocked: {reasons}" + (f" ({s.blocked_detail})" if s.blocked_detail else ""))
+    if s.current_job_id:
+        print(f"job       {s.current_job_id} is {s.current_job_state.value}")
+    for m in s.models:
+        print(f"model     {m.name} ({m.family}, {m.parameters / 1e6:.0f}M params){' default' if m.is_default else ''}")
+
+
+def status(args: argparse.Namespace) -> int:
+    """Shows the device status."""
+    with make_client(args) as c:
+        s = c.device_status()
+    if opt(args, "json"):
+        print_json(s)
+    else:
+        print_status(s)
+    return EXIT_OK
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the daemon (lorad.server.serve_main), imported only here so the SDK stays torch-free."""
+    try:
+        from lorad import server
+    except ImportError as exc:
+        print(
+            f"lorad: error: the daemon is not installed ({exc}). Install it with `pip install 'lorad[server]'` "
+            "(or `make setup` in a clone), then run `lorad serve` again",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    serve_main = getattr(server, "serve_main", None)
+    if serve_main is None:
+        print(
+            "lorad: error: this lorad.server has no serve_main entry point (a daemon build without the server "
+            "part); update lorad to a version whose daemon is complete",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    return int(serve_main(list(args.daemon_args)) or 0)

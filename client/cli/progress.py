@@ -1,0 +1,111 @@
+"""Job progress for terminals (one redrawn bar) and for logs and pipes (one plain line per change)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from typing import TextIO
+
+from lorad.client.types import BlockedReason, Job, JobEventKind, JobState, JobUpdate
+
+
+def format_eta(seconds: int | None) -> str:
+    """Seconds as H:MM:SS or M:SS; "?" when unknown."""
+    if seconds is None:
+        return "?"
+    h, rem = divmod(int(seconds), 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def describe_wait(job: Job) -> str:
+    """Why a job is not running, in words, e.g. "waiting: not charging (charger disconnected)"."""
+    if job.blocked_reason is BlockedReason.NONE:
+        return job.state.value
+    reason = job.blocked_reason.value.replace("_", " ")
+    detail = f" ({job.blocked_detail})" if job.blocked_detail else ""
+    return f"{job.state.value}: {reason}{detail}"
+
+
+def stats_text(job: Job) -> str:
+    """Step, losses, throughput and ETA of a job's latest progress."""
+    p = job.progress
+    parts = [f"step {p.step}/{p.total_steps or '?'}"]
+    if p.step:
+        parts.append(f"loss {p.train_loss:.3f}")
+    if p.eval_loss is not None:
+        before = f" (base {p.eval_loss_before:.3f})" if p.eval_loss_before is not None else ""
+        parts.append(f"eval {p.eval_loss:.3f}{before}")
+    if p.tokens_per_second:
+        parts.append(f"{p.tokens_per_second:.0f} tok/s")
+    if job.state is JobState.RUNNING:
+        parts.append(f"ETA {format_eta(p.eta_seconds)}")
+    return "  ".join(parts)
+
+
+def bar(fraction: float, width: int) -> str:
+    """A text bar like [#####-----] of `width` cells inside the brackets."""
+    done = max(0, min(width, round(fraction * width)))
+    return "[" + "#" * done + "-" * (width - done) + "]"
+
+
+class ProgressView:
+    """Renders a stream of JobUpdates.
+
+    On a TTY one line is redrawn in place (bar, step/total, loss, tokens/s, ETA); notices and state changes are
+    printed above it. Otherwise each state change and progress event becomes one plain line (log-friendly).
+    """
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None) -> None:
+        self.out = stream or sys.stdout
+        self.tty = self.out.isatty() if tty is None else tty
+        self._live = False
+        self._last_state: JobState | None = None
+
+    def update(self, u: JobUpdate) -> None:
+        """Shows one update, as of its event (a replayed history shows each step, not the latest job)."""
+        ev = u.event
+        job = dataclasses.replace(u.job, state=ev.state, blocked_reason=ev.blocked_reason, progress=ev.progress)
+        if ev.state is JobState.UNSPECIFIED:
+            job = u.job
+        changed = ev.kind is JobEventKind.STATE_CHANGED or job.state is not self._last_state
+        self._last_state = job.state
+        if ev.kind is JobEventKind.NOTICE and ev.message:
+            self._line(f"{job.job_id} notice: {ev.message}")
+        elif changed:
+            msg = f" — {ev.message}" if ev.message else ""
+            self._line(f"{job.job_id} {describe_wait(job)}{msg}")
+        error = ev.error or job.error
+        if job.state is JobState.FAILED and error is not None:
+            self._line(f"{job.job_id} failed: {error.code}: {error.message}")
+            return
+        if self.tty:
+            self._redraw(job)
+        elif ev.kind in (JobEventKind.PROGRESS, JobEventKind.EVAL, JobEventKind.CHECKPOINT):
+            extra = " checkpoint written" if ev.kind is JobEventKind.CHECKPOINT else ""
+            print(f"{job.job_id} {stats_text(job)}{extra}", file=self.out, flush=True)
+
+    def _redraw(self, job: Job) -> None:
+        p = job.progress
+        text = stats_text(job)
+        width = shutil.get_terminal_size((100, 20)).columns
+        bar_width = max(10, min(40, width - len(text) - len(job.job_id) - 6))
+        frac = p.step / p.total_steps if p.total_steps else 0.0
+        line = f"{job.job_id} {bar(frac, bar_width)} {text}"[: width - 1]
+        self.out.write("\r\x1b[2K" + line)
+        self.out.flush()
+        self._live = True
+
+    def _line(self, text: str) -> None:
+        if self._live:
+            self.out.write("\r\x1b[2K")
+            self._live = False
+        print(text, file=self.out, flush=True)
+
+    def close(self) -> None:
+        """Ends the live line."""
+        if self._live:
+            self.out.write("\n")
+            self.out.flush()
+            self._live = False
