@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from lorad.kernels.frozen import FrozenLinear
-from lorad.kernels.queue import NpuQueue, default_queue
+from lorad.kernels.queue import NpuQueue, queue_for
 from torch import Tensor, nn
 
 
@@ -24,7 +24,7 @@ class FrozenMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, frozen: FrozenLinear, queue: NpuQueue | None = None) -> Tensor:
         ctx.frozen = frozen
-        ctx.queue = queue or default_queue()
+        ctx.queue = queue or queue_for(frozen)
         ctx.in_shape = x.shape
         x2 = _flat(x, frozen.in_features)
         y = ctx.queue.submit(frozen.forward, x2).result()
@@ -113,7 +113,7 @@ class LoRALinear(nn.Module):
         self.alpha = alpha
         self.dropout = dropout
         self.scaling = alpha / rank if rank > 0 else 0.0
-        self.queue = queue or default_queue()
+        self._queue = queue  # None: resolved per call, so swapping .frozen (the planner does) picks its queue
         if rank > 0:
             self.lora_A = nn.Parameter(torch.empty(rank, self.in_features))
             self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank))
@@ -122,11 +122,17 @@ class LoRALinear(nn.Module):
             self.register_parameter("lora_A", None)
             self.register_parameter("lora_B", None)
 
+    @property
+    def queue(self) -> NpuQueue:
+        """The queue this layer's frozen calls go through."""
+        return self._queue or queue_for(self.frozen)
+
     def forward(self, x: Tensor) -> Tensor:
+        q = self.queue
         if self.rank == 0:
-            return FrozenMatmul.apply(x, self.frozen, self.queue)
+            return FrozenMatmul.apply(x, self.frozen, q)
         return _LoRAFrozenFn.apply(
-            x, self.lora_A, self.lora_B, self.frozen, self.queue, self.scaling, self.dropout, self.training
+            x, self.lora_A, self.lora_B, self.frozen, q, self.scaling, self.dropout, self.training
         )
 
     def extra_repr(self) -> str:

@@ -106,6 +106,8 @@ class _Direction:
 class OrtCpuFrozenLinear:
     """Frozen linear on the ONNX Runtime CPU EP (see module docstring for the graphs)."""
 
+    runs_on_cpu = True  # calls run inline on the caller's thread (see queue.queue_for)
+
     def __init__(self, weight: Tensor, bias: Tensor | None, *, precision: str, precision_bwd: str, name: str) -> None:
         check_precision("ort-cpu", precision, SUPPORTED)
         check_precision("ort-cpu", precision_bwd, SUPPORTED)

@@ -17,6 +17,8 @@ class TorchFrozenLinear:
     compute with static scales and per-call rescaling.
     """
 
+    runs_on_cpu = True  # calls run inline on the caller's thread (see queue.queue_for)
+
     def __init__(self, weight: Tensor, bias: Tensor | None, *, precision: str, precision_bwd: str, name: str) -> None:
         check_precision("torch", precision, SUPPORTED)
         check_precision("torch", precision_bwd, SUPPORTED)

@@ -108,3 +108,15 @@ def test_frozen_calls_run_on_the_queue_worker() -> None:
     # A submit from the worker itself runs inline instead of deadlocking.
     assert q.submit(lambda: q.submit(lambda: 7).result()).result(timeout=5) == 7
     q.shutdown()
+
+
+def test_cpu_backends_run_inline_npu_backends_on_the_worker() -> None:
+    from lorad.kernels.queue import default_queue, queue_for
+
+    m = LoRALinear(make_frozen_linear(torch.randn(4, 4), None, backend="torch"), 2, 2.0)
+    assert m.queue.inline and queue_for(m.frozen) is m.queue
+    seen: list[str] = []
+    m.frozen.forward = lambda x, f=m.frozen.forward: seen.append(threading.current_thread().name) or f(x)
+    m(torch.randn(3, 4))
+    assert seen == [threading.current_thread().name]
+    assert not queue_for(object()).inline and queue_for(object()) is default_queue()
