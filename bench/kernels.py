@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_rows(model: str, name: str, o: int, i: int, rows: list[dict[str, Any]]) -> None:
     print(f"\n{model} {name} [{o}x{i}]")
-    print(
-        f"  {'backend/precision':<26} {'fwd ms':>9} {'x':>6} {'bwd ms':>9} {'x':>6} {'MiB':>8} {'rel fwd':>9} {'rel bwd':>9}"
-    )
+    cols = ("fwd ms", "x", "bwd ms", "x", "MiB", "rel fwd", "rel bwd")
+    widths = (9, 6, 9, 6, 8, 9, 9)
+    print(f"  {'backend/precision':<26} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
     for r in rows:
         k = f"{r['backend']}/{r['precision']}" + (f"/{r['form']}" if r["form"] else "")
         print(f"  {k:<26} {r['fwd_ms']:9.2f} {r['ratio_fwd']:6.2f} {r['bwd_ms']:9.2f} {r['ratio_bwd']:6.2f} "
