@@ -1,0 +1,7 @@
+"""`python -m lorad.server`: the same as `lorad serve`."""
+
+import sys
+
+from lorad.server.daemon import serve_main
+
+sys.exit(serve_main(sys.argv[1:]))

@@ -1,0 +1,178 @@
+"""`lorad serve`: the grpc.aio daemon on a Unix socket (and optional loopback TCP), with health and reflection."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lorad.server.config import Config, ConfigError, load_config
+from lorad.server.device.probes import Probe
+from lorad.server.jobs import SessionFactory
+from lorad.server.logs import configure_logging
+from lorad.server.rpc.adapter_inference_device import AdapterServicer, DeviceServicer, InferenceServicer
+from lorad.server.rpc.apps_data import AppServicer, DataServicer
+from lorad.server.rpc.interceptor import AuthInterceptor
+from lorad.server.rpc.job_service import JobServicer
+from lorad.server.scheduler import WindowScheduler
+from lorad.server.services import Services, build_services
+from lorad.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
+    apps_pb2,
+    apps_pb2_grpc,
+    data_pb2,
+    data_pb2_grpc,
+    device_pb2,
+    device_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    jobs_pb2,
+    jobs_pb2_grpc,
+)
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = tuple(
+    m.DESCRIPTOR.services_by_name[n].full_name
+    for m, n in ((apps_pb2, "AppService"), (data_pb2, "DataService"), (jobs_pb2, "JobService"),
+                 (adapters_pb2, "AdapterService"), (inference_pb2, "InferenceService"), (device_pb2, "DeviceService"))
+)  # fmt: skip
+
+
+class Daemon:
+    """The running daemon: services, the gRPC server, the runner, the condition monitor and the scheduler."""
+
+    def __init__(self, cfg: Config, factory: SessionFactory | None = None, probe: Probe | None = None) -> None:
+        self.cfg, self._factory, self._probe = cfg, factory, probe
+        self.services: Services | None = None
+        self.server: aio.Server | None = None
+        self.scheduler: WindowScheduler | None = None
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.tcp_port: int | None = None
+        self.serving = False
+
+    @property
+    def socket_path(self) -> Path:
+        """The Unix socket."""
+        return self.cfg.socket_path
+
+    async def start(self) -> None:
+        """Opens the store, recovers jobs, starts the runner, monitor, scheduler and the gRPC server."""
+        s = self.services = await asyncio.to_thread(build_services, self.cfg, self._factory, self._probe)
+        s.hub.bind(asyncio.get_running_loop())
+        await asyncio.to_thread(s.monitor.read_now)
+        await asyncio.to_thread(s.runner.start)
+        s.monitor.listeners.append(s.runner.reconcile)
+        s.monitor.start()
+        self.scheduler = WindowScheduler(f"sqlite:///{self.cfg.data_dir / 'scheduler.sqlite'}", s.manager,
+                                         s.schedules, self.cfg.scheduler.misfire_grace_hours,
+                                         self.cfg.scheduler.timezone)  # fmt: skip
+        self.scheduler.start()
+        limit = self.cfg.server.max_message_bytes
+        server = self.server = aio.server(
+            interceptors=[AuthInterceptor(s.auth, lambda: self.serving)],
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0)],
+        )  # fmt: skip
+        apps_pb2_grpc.add_AppServiceServicer_to_server(AppServicer(s), server)
+        data_pb2_grpc.add_DataServiceServicer_to_server(DataServicer(s, self.scheduler.remove), server)
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(s, self.scheduler), server)
+        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterServicer(s), server)
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(s), server)
+        device_pb2_grpc.add_DeviceServiceServicer_to_server(DeviceServicer(s), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        sock = self.socket_path
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(sock.parent, 0o700)  # only the owner may even reach the socket
+        if sock.exists():
+            sock.unlink()  # stale socket of a previous (crashed) run
+        server.add_insecure_port(f"unix:{sock}")
+        if self.cfg.server.tcp_address:
+            self.tcp_port = server.add_insecure_port(self.cfg.server.tcp_address)
+        await server.start()
+        os.chmod(sock, 0o600)
+        self.serving = True
+        for name in ("", *SERVICE_NAMES):
+            await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("daemon_started", socket=str(sock), tcp_port=self.tcp_port, data_dir=str(self.cfg.data_dir))
+
+    async def _set_health(self, name: str, status: int) -> None:
+        res = self.health.set(name, status)
+        if asyncio.iscoroutine(res):
+            await res
+
+    async def stop(self) -> None:
+        """NOT_SERVING → checkpoint the running job → stop the scheduler and monitor → server.stop(grace)."""
+        self.serving = False
+        for name in ("", *SERVICE_NAMES):
+            await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        s = self.services
+        if s is not None:
+            ok = await asyncio.to_thread(s.runner.close, self.cfg.server.checkpoint_timeout_seconds)
+            log.info("runner_stopped", checkpointed=ok)
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+        if s is not None:
+            await s.monitor.stop()
+        if self.server is not None:
+            await self.server.stop(self.cfg.server.shutdown_grace_seconds)
+        if s is not None and (ok if s is not None else True):
+            s.db.close()
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        log.info("daemon_stopped")
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lorad serve", description="Run the lorad daemon.")
+    p.add_argument("--config", help="TOML config file (default $LORAD_CONFIG)")
+    p.add_argument("--data-dir", help="override storage.data_dir")
+    p.add_argument("--socket", help="override server.socket_path")
+    p.add_argument("--tcp", help="override server.tcp_address, e.g. 127.0.0.1:50051")
+    return p.parse_args(list(argv))
+
+
+async def _serve(cfg: Config) -> int:
+    d = Daemon(cfg)
+    await d.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("daemon_stopping")
+    await d.stop()
+    return 0
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    """Entry point of `lorad serve`; returns the exit code (2 for a bad configuration)."""
+    args = _parse(argv)
+    env = dict(os.environ)
+    for key, val in (("LORAD_STORAGE_DATA_DIR", args.data_dir), ("LORAD_SERVER_SOCKET_PATH", args.socket),
+                     ("LORAD_SERVER_TCP_ADDRESS", args.tcp)):  # fmt: skip
+        if val:
+            env[key] = val
+    try:
+        cfg = load_config(args.config, env)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    configure_logging(cfg.logging.level, cfg.logging.format)
+    try:
+        return asyncio.run(_serve(cfg))
+    except grpc.RpcError as exc:  # e.g. the socket cannot be bound
+        log.error("daemon_failed", error=str(exc)[:300])
+        return 1

@@ -1,0 +1,289 @@
+"""Domain types of the daemon (no protobuf here: rpc/convert.py translates at the edge)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class JobState(enum.StrEnum):
+    """Lifecycle of a job (see jobs.proto for the diagram)."""
+
+    QUEUED = "queued"
+    WAITING = "waiting"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        """True for SUCCEEDED, FAILED and CANCELLED."""
+        return self in FINAL_STATES
+
+
+FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE_STATES = frozenset(set(JobState) - FINAL_STATES)
+
+
+class Blocked(enum.StrEnum):
+    """Why a job is not running; NONE when it is not blocked."""
+
+    NONE = ""
+    OUTSIDE_WINDOW = "outside_window"
+    NPU_BUSY = "npu_busy"
+    NOT_CHARGING = "not_charging"
+    BATTERY_LOW = "battery_low"
+    TOO_HOT = "too_hot"
+    DEVICE_BUSY = "device_busy"
+    CONDITIONS_UNKNOWN = "conditions_unknown"
+    PAUSED_BY_USER = "paused_by_user"
+
+
+class EventKind(enum.StrEnum):
+    """What a job event records."""
+
+    STATE_CHANGED = "state_changed"
+    PROGRESS = "progress"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    NOTICE = "notice"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn; role is "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class SampleBody:
+    """Exactly one of ``text`` or ``messages`` is set."""
+
+    text: str | None = None
+    messages: tuple[Message, ...] | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """UTF-8 bytes of the sample's text content."""
+        if self.text is not None:
+            return len(self.text.encode())
+        return sum(len(m.content.encode()) for m in self.messages or ())
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Per-app limits."""
+
+    max_samples: int
+    max_sample_bytes: int
+    max_adapters: int
+    max_active_jobs: int
+
+
+@dataclass(frozen=True)
+class App:
+    """A registered app and its usage now."""
+
+    app_id: str
+    display_name: str
+    created_at_ms: int
+    quota: Quota
+    revoked: bool = False
+    sample_count: int = 0
+    sample_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A named collection of one app's samples."""
+
+    dataset_id: str
+    sample_count: int
+    size_bytes: int
+    created_at_ms: int
+    updated_at_ms: int
+
+
+@dataclass(frozen=True)
+class StoredSample:
+    """A committed sample."""
+
+    sample_id: str
+    created_at_ms: int
+    size_bytes: int
+    body: SampleBody
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """Outcome of one atomic append."""
+
+    accepted: int
+    duplicates: int
+    sample_ids: tuple[str, ...]
+    dataset: Dataset
+
+
+@dataclass(frozen=True)
+class TrainingParams:
+    """TrainingConfig with every default filled in."""
+
+    base_model: str = ""
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    max_steps: int = 100
+    learning_rate: float = 2e-4
+    batch_size: int = 1
+    seq_len: int = 256
+    grad_accum_steps: int = 1
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    eval_every_steps: int = 25
+    checkpoint_every_steps: int = 50
+    seed: int = 0
+    backend: str = "auto"
+    precision: str = "auto"
+    eval_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """Device conditions a job needs, defaults filled in."""
+
+    require_charging: bool
+    min_battery_percent: int
+    max_temperature_celsius: float
+    require_idle: bool
+
+
+@dataclass(frozen=True)
+class Window:
+    """A recurring cron window."""
+
+    cron: str
+    jitter_seconds: int = 0
+    timezone: str = ""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job trains on and how; its hash decides request_id idempotency."""
+
+    dataset_ids: tuple[str, ...]
+    params: TrainingParams
+    requirements: Requirements
+    window: Window | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Training progress at a step boundary."""
+
+    step: int = 0
+    total_steps: int = 0
+    train_loss: float = 0.0
+    eval_loss: float | None = None
+    eval_loss_before: float | None = None
+    tokens_per_second: float = 0.0
+    eta_seconds: int | None = None
+    learning_rate: float = 0.0
+    tokens_seen: int = 0
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job as stored."""
+
+    job_id: str
+    app_id: str
+    request_id: str
+    spec: JobSpec
+    state: JobState
+    blocked: Blocked = Blocked.NONE
+    blocked_detail: str = ""
+    progress: Progress = field(default_factory=Progress)
+    error_code: str = ""
+    error_message: str = ""
+    adapter_id: str = ""
+    backend: str = ""
+    schedule_id: str = ""
+    created_at_ms: int = 0
+    started_at_ms: int = 0
+    finished_at_ms: int = 0
+    data_until_ms: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointRec:
+    """A checkpoint written by a job."""
+
+    checkpoint_id: str
+    job_id: str
+    step: int
+    created_at_ms: int
+    size_bytes: int
+    train_loss: float
+    path: str
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One entry of a job's history."""
+
+    job_id: str
+    event_id: int
+    time_ms: int
+    kind: EventKind
+    state: JobState
+    blocked: Blocked = Blocked.NONE
+    progress: Progress = field(default_factory=Progress)
+    checkpoint: CheckpointRec | None = None
+    message: str = ""
+    error_code: str = ""
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class AdapterRec:
+    """A trained adapter in an app's registry; ``path`` is its PEFT folder."""
+
+    adapter_id: str
+    app_id: str
+    job_id: str
+    base_model: str
+    base_model_sha256: str
+    tokenizer_sha256: str
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    steps: int
+    eval_loss_before: float
+    eval_loss_after: float
+    train_loss: float
+    precision_plan: tuple[tuple[str, str, str], ...]  # (layer, forward precision, backward precision)
+    data_until_ms: int
+    sample_count: int
+    created_at_ms: int
+    size_bytes: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A recurring window that creates a job on each firing."""
+
+    schedule_id: str
+    app_id: str
+    spec: JobSpec
+    created_at_ms: int
+    next_run_at_ms: int = 0

@@ -1,0 +1,114 @@
+"""Adapter files for download: PEFT tar, GGUF LoRA and merged model, built once, atomically, with a sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import threading
+from pathlib import Path
+
+from lorad.server.domain import AdapterRec
+from lorad.server.errors import FailedPrecondition
+from lorad.server.jobs.files import remove_tree
+from lorad.server.modelhost import ModelHost
+
+CHUNK = 1024 * 1024  # DownloadAdapter chunks are at most 1 MiB
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(key: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(key, threading.Lock())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_replace(tmp: Path, dest: Path) -> None:
+    with tmp.open("rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tar_dir(src: Path, dest: Path) -> None:
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for p in sorted(src.iterdir()):
+            # Fixed metadata so the same adapter always gives the same bytes (and sha256).
+            info = tar.gettarinfo(str(p), arcname=p.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with p.open("rb") as f:
+                tar.addfile(info, f)
+    _fsync_replace(tmp, dest)
+
+
+def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
+    from lorad.server.adapters import export_gguf_lora, load_adapter
+    from lorad.server.models.hf_folder import read_config
+    from lorad.server.models.loader import resolve
+
+    entry = models.entry(rec.base_model, field="adapter_id")
+    ck = resolve(entry.source, models.cache_root)
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    export_gguf_lora(load_adapter(Path(rec.path)), tmp, read_config(ck.path), name=f"lorad {rec.adapter_id}")
+    _fsync_replace(tmp, dest)
+
+
+def _merged(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
+    from lorad.server.adapters import export_merged, load_adapter
+    from lorad.server.models.loader import resolve
+
+    entry = models.entry(rec.base_model, field="adapter_id")
+    ck = resolve(entry.source, models.cache_root)
+    adapter = load_adapter(Path(rec.path))
+    adapter.check_base(ck.model_hash, ck.tokenizer_hash)
+    folder = dest.with_name(f"{dest.name}.d")
+    export_merged(ck.path, adapter, folder)
+    try:
+        _tar_dir(folder, dest)
+    finally:
+        remove_tree(folder)
+
+
+def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, int, str, str]:
+    """The file for ``fmt`` ("peft", "gguf", "merged"), built on first request and cached next to the adapter.
+
+    Returns:
+        (path, size in bytes, sha256 hex, suggested filename).
+
+    Raises:
+        FailedPrecondition: the base model needed for an export is not available.
+    """
+    base = Path(rec.path).parent / "exports"
+    base.mkdir(parents=True, exist_ok=True)
+    name = {"peft": f"{rec.adapter_id}.peft.tar", "gguf": f"{rec.adapter_id}.lora.gguf",
+            "merged": f"{rec.adapter_id}.merged.tar"}[fmt]  # fmt: skip
+    dest = base / name
+    digest = dest.with_name(name + ".sha256")
+    with _lock(str(dest)):
+        if not dest.exists() or not digest.exists():
+            try:
+                if fmt == "peft":
+                    _tar_dir(Path(rec.path), dest)
+                elif fmt == "gguf":
+                    _gguf(rec, models, dest)
+                else:
+                    _merged(rec, models, dest)
+            except FileNotFoundError as exc:
+                raise FailedPrecondition(f"cannot export {fmt}: base model unavailable ({exc})") from None
+            tmp = digest.with_name(".tmp-" + digest.name)
+            tmp.write_text(_sha256(dest))
+            _fsync_replace(tmp, digest)
+    return dest, dest.stat().st_size, digest.read_text().strip(), name

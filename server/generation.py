@@ -1,0 +1,121 @@
+"""Generate: base + one of the app's adapters, streamed token by token from a worker thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from lorad.server.domain import AdapterRec, Message
+from lorad.server.errors import FailedPrecondition, InvalidArgument
+from lorad.server.modelhost import ModelHost
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """A validated Generate request."""
+
+    text: str | None
+    messages: tuple[Message, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    base_model: str
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Some new text; ``finish`` ("stop", "length", "context") on the last piece."""
+
+    text: str
+    token_count: int
+    prompt_tokens: int = 0
+    finish: str = ""
+
+
+def check_generate(max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> tuple[int, float, float]:
+    """Validates the sampling fields; returns (max_tokens, temperature, top_p) with defaults filled in."""
+    n = max_tokens or 128
+    if n > 2048:
+        raise InvalidArgument("max_tokens", f"{n} > 2,048")
+    if not 0 <= temperature <= 2:
+        raise InvalidArgument("temperature", f"{temperature} out of range; 0 to 2 (0 = greedy)")
+    if not 0 <= top_p <= 1:
+        raise InvalidArgument("top_p", f"{top_p} out of range; 0 to 1 (0 = off)")
+    if len(stop) > 8:
+        raise InvalidArgument("stop", f"{len(stop)} stop strings > 8")
+    for i, s in enumerate(stop):
+        if not s or len(s.encode()) > 64:
+            raise InvalidArgument(f"stop[{i}]", "must be 1 to 64 bytes")
+    return n, temperature, top_p or 1.0
+
+
+class Generator:
+    """Runs generation for the InferenceService; one generation at a time (they share the loaded base)."""
+
+    def __init__(self, models: ModelHost) -> None:
+        self.models = models
+        self._lock = threading.Lock()
+        self._adapters: dict[str, Any] = {}
+
+    def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
+        from lorad.server.adapters import load_adapter
+
+        if rec.adapter_id not in self._adapters:
+            ad = load_adapter(Path(rec.path))
+            try:
+                ad.check_base(loaded.model_hash, loaded.tokenizer_hash)
+            except ValueError as exc:  # AdapterBaseMismatchError: another base or tokenizer
+                raise FailedPrecondition(str(exc)) from None
+            self._adapters[rec.adapter_id] = ad.weights()
+        return self._adapters[rec.adapter_id]
+
+    def stream(self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool]) -> Iterator[Piece]:
+        """Yields text pieces (runs on a worker thread; stops early when ``cancelled()``)."""
+        from lorad.server.models.generate import SamplingConfig, generate
+
+        base = req.base_model or (rec.base_model if rec else "")
+        if rec is not None and req.base_model and self.models.entry(req.base_model).name != rec.base_model:
+            raise InvalidArgument("base_model", f"adapter {rec.adapter_id} was trained on {rec.base_model!r}")
+        loaded = self.models.base(base)
+        tok = loaded.tokenizer
+        if req.text is not None:
+            ids = tok.encode(req.text)
+        else:
+            msgs = [{"role": m.role, "content": m.content} for m in req.messages or ()]
+            ids = tok.render_chat(msgs, add_generation_prompt=True)[0]
+        room = loaded.config.max_position - len(ids)
+        if room <= 0:
+            raise InvalidArgument("prompt", f"{len(ids)} prompt tokens fill the model's context ({loaded.config.max_position})")
+        n = min(req.max_tokens, room)
+        cfg = SamplingConfig(max_new_tokens=n, temperature=req.temperature, top_p=req.top_p,
+                             seed=req.seed if req.temperature > 0 else None)  # fmt: skip
+        hold = max((len(s) for s in req.stop), default=1) - 1  # chars held back so no stop string leaks
+        with self._lock:
+            adapter = self._adapter_weights(rec, loaded) if rec is not None else None
+            text, sent, count, first = "", 0, 0, True
+            for t in generate(loaded.model, tok, ids, cfg, adapter=adapter):
+                if t.finish_reason != "stop":
+                    count += 1
+                text += t.text
+                cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    yield Piece(text[sent:cut], count, len(ids) if first else 0, "stop")
+                    return
+                finish = t.finish_reason or ""
+                if finish == "length" and n < req.max_tokens:
+                    finish = "context"
+                end = len(text) if finish else max(sent, len(text) - hold)
+                if end > sent or finish or first:
+                    yield Piece(text[sent:end], count, len(ids) if first else 0, finish)
+                    sent, first = end, False
+                if finish or cancelled():
+                    return

@@ -1,0 +1,145 @@
+"""The real TrainingSession: runs lorad.server.training's recipe on the job's samples and saves a PEFT adapter."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from lorad.server.domain import Progress, SampleBody
+from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcome, SessionRequest, SessionSink
+from lorad.server.modelhost import ModelHost
+
+log = structlog.get_logger(__name__)
+
+
+def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Any]:
+    from lorad.server.training import ChatSample, Message, TextSample
+
+    out: list[Any] = []
+    for b in bodies:
+        if b.text is not None:
+            out.append(TextSample(b.text))
+        else:
+            out.append(ChatSample(tuple(Message(m.role, m.content) for m in b.messages or ())))
+    return out
+
+
+class EngineSession:
+    """One RUNNING period of a job on the real trainer (resumes from the newest checkpoint in the work dir)."""
+
+    def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend_override: str) -> None:
+        self.req, self.models, self.cache_root, self.backend_override = req, models, cache_root, backend_override
+
+    def _train_config(self) -> Any:
+        from lorad.server.training import ConfigError, TrainConfig
+
+        p = self.req.spec.params
+        backend = p.backend if p.backend != "auto" else self.backend_override
+        try:
+            return TrainConfig(
+                rank=p.rank, alpha=p.alpha, dropout=p.dropout, targets=tuple(t.removesuffix("_proj") for t in p.target_modules), lr=p.learning_rate,
+                steps=p.max_steps, batch_size=p.batch_size, seq_len=p.seq_len, grad_accum=p.grad_accum_steps,
+                warmup_steps=p.warmup_steps, schedule=p.lr_schedule,
+                min_lr_ratio=0.1 if p.lr_schedule == "cosine" else 0.0,  # the API's cosine decays to 10% of peak
+                weight_decay=p.weight_decay, max_grad_norm=p.max_grad_norm, eval_every=p.eval_every_steps,
+                eval_fraction=p.eval_fraction, checkpoint_every=p.checkpoint_every_steps,
+                keep_checkpoints=self.req.keep_checkpoints, seed=p.seed, backend=backend, precision=p.precision,
+            )  # fmt: skip
+        except ConfigError as exc:
+            raise JobFailure("invalid_config", "; ".join(exc.errors)) from None
+
+    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
+        """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
+        from lorad.kernels import detect_backend
+        from lorad.server.training import DataError, run_recipe
+        from lorad.server.training.checkpoint import CheckpointError, list_checkpoints
+
+        cfg = self._train_config()
+        entry = self.models.entry(self.req.spec.params.base_model)
+        info = detect_backend(cfg.backend)
+        sink.backend(info.name, info.reason)
+        ckpt_dir = self.req.work_dir / "checkpoints"
+        reported = {c.path for c in list_checkpoints(ckpt_dir)} if ckpt_dir.is_dir() else set()
+        state: dict[str, Any] = {"eval": None, "meta": None}
+
+        def scan_checkpoints(loss: float) -> None:
+            if not ckpt_dir.is_dir():
+                return
+            for c in list_checkpoints(ckpt_dir):
+                if c.path not in reported:
+                    reported.add(c.path)
+                    sink.checkpoint(c.step, c.path, c.size_bytes, loss)
+
+        def on_progress(pr: Any) -> None:
+            if pr.eval_loss is not None:
+                state["eval"] = pr.eval_loss
+            eta = pr.eta_s if pr.eta_s is not None and math.isfinite(pr.eta_s) else None
+            sink.progress(
+                Progress(step=pr.step, total_steps=pr.total_steps, train_loss=float(pr.loss), eval_loss=state["eval"],
+                         tokens_per_second=float(pr.tokens_per_s), eta_seconds=int(eta) if eta is not None else None,
+                         learning_rate=float(pr.lr), tokens_seen=pr.step * cfg.tokens_per_step),
+                evaluated=pr.eval_loss is not None,
+            )  # fmt: skip
+            scan_checkpoints(float(pr.loss))
+
+        def save(model: Any, out: Path, meta: dict[str, Any]) -> Path:
+            from lorad.server.adapters import Adapter, AdapterMetadata, save_adapter
+
+            state["meta"] = meta
+            losses = meta.get("eval_losses") or []
+            md = AdapterMetadata(
+                base_model_hash=meta["base_model_hash"], tokenizer_hash=meta["tokenizer_hash"], rank=cfg.rank,
+                alpha=cfg.alpha, targets=tuple(cfg.targets), precision_plan=meta.get("precision", "fp32"),
+                backend=meta.get("backend", info.name), steps=int(meta.get("steps", 0)),
+                data_window={"samples": len(self.req.samples), **(meta.get("data_report") or {})},
+                metrics={k: float(v) for k, v in (("train_loss", meta.get("final_loss")),
+                                                  ("eval_loss", losses[-1][1] if losses else None)) if v is not None},
+                base_model_source=str(entry.source or entry.name),
+            )  # fmt: skip
+            return save_adapter(out, Adapter.from_model(model, md), base_name_or_path=str(entry.source or entry.name))
+
+        try:
+            res = run_recipe(
+                cfg, _training_samples(self.req.samples), work_dir=self.req.work_dir, cache_root=self.cache_root,
+                model_source=entry.source, on_progress=on_progress, should_pause=should_stop, save_adapter=save,
+            )  # fmt: skip
+        except DataError as exc:
+            raise JobFailure("no_usable_samples", str(exc)) from None
+        except CheckpointError as exc:
+            raise JobFailure("checkpoint_invalid", str(exc)) from None
+        except FileNotFoundError as exc:
+            raise JobFailure("model_unavailable", str(exc)) from None
+        except MemoryError:
+            raise JobFailure("out_of_memory", "training ran out of memory; lower seq_len or batch_size") from None
+        except OSError as exc:
+            if exc.errno == 28:  # ENOSPC
+                raise JobFailure("out_of_disk", "no space left for checkpoints or the adapter") from None
+            raise
+        scan_checkpoints(res.losses[-1] if res.losses else 0.0)
+        rep = res.data_report
+        rejected = {k: v for k, v in dict(rep.rejected).items() if v}
+        sink.notice(f"data: {rep.train_samples} train and {rep.eval_samples} held-out samples"
+                    + (f"; rejected {rejected}" if rejected else ""))
+        if res.resumed_from is not None:
+            sink.notice(f"resumed from checkpoint step {res.resumed_from}")
+        if res.status != "completed" or res.adapter_dir is None:
+            return SessionOutcome(completed=False)
+        meta = state["meta"] or {}
+        evals = res.eval_losses
+        art = AdapterArtifact(
+            path=res.adapter_dir, base_model=entry.name, base_model_sha256=meta.get("base_model_hash", ""),
+            tokenizer_sha256=meta.get("tokenizer_hash", ""), steps=res.step,
+            train_loss=float(res.losses[-1]) if res.losses else float("nan"),
+            eval_loss_before=float("nan"), eval_loss_after=float(evals[-1][1]) if evals else float("nan"),
+            sample_count=int(getattr(rep, "train_samples", len(self.req.samples))),
+            precision_plan=(("*", res.precision, res.precision),),
+        )  # fmt: skip
+        return SessionOutcome(completed=True, adapter=art)
+
+
+def engine_factory(models: ModelHost, cache_root: Path, backend_override: str) -> Callable[[SessionRequest], EngineSession]:
+    """The SessionFactory the daemon uses."""
+    return lambda req: EngineSession(req, models, cache_root, backend_override)

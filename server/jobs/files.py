@@ -1,0 +1,50 @@
+"""On-disk layout of an app's jobs and adapters, and helpers to remove them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+class Layout:
+    """Paths under the data directory: ``apps/<app>/jobs/<job>/`` and ``apps/<app>/adapters/<adapter>/``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def app_dir(self, app_id: str) -> Path:
+        """The app's directory."""
+        return self.data_dir / "apps" / app_id
+
+    def job_dir(self, app_id: str, job_id: str) -> Path:
+        """A job's work directory (checkpoints, the adapter before registration)."""
+        return self.app_dir(app_id) / "jobs" / job_id
+
+    def adapter_dir(self, app_id: str, adapter_id: str) -> Path:
+        """A registered adapter's directory: ``peft/`` and cached exports."""
+        return self.app_dir(app_id) / "adapters" / adapter_id
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of all files under ``path`` (0 if absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += (Path(root) / f).stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def remove_tree(path: Path) -> int:
+    """Deletes ``path`` (file or directory) and returns the bytes freed."""
+    size = tree_size(path)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+    return size

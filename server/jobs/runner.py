@@ -1,0 +1,282 @@
+"""The job runner: owns the NPU (one job at a time on one worker thread) and decides who runs, queues or waits.
+
+Why a thread and not a subprocess per job: the daemon keeps one loaded base model that training and Generate share
+(a subprocess would load ~0.3 GB per job on a phone and could not share it), pause is a flag checked at step
+boundaries, and a Python-level failure is caught and recorded as the job's error. A native crash would take the
+daemon down, but the service manager restarts it and the job resumes from its last checkpoint (the same path as a
+kill -9), so no acknowledged data or finished step beyond the last checkpoint is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+from lorad.server.device.conditions import evaluate
+from lorad.server.device.probes import Readings
+from lorad.server.domain import AdapterRec, Blocked, CheckpointRec, EventKind, Job, JobState, Progress
+from lorad.server.errors import FailedPrecondition, NotFound
+from lorad.server.jobs.files import Layout, remove_tree, tree_size
+from lorad.server.jobs.hub import EventHub
+from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionFactory, SessionRequest
+from lorad.server.store import AdapterRepo, JobRepo, SampleRepo
+from lorad.server.store.db import new_id, now_ms
+
+log = structlog.get_logger(__name__)
+
+ELIGIBLE = (JobState.QUEUED, JobState.WAITING)
+ON_NPU = (JobState.RUNNING, JobState.PAUSING)
+
+
+class Runner:
+    """Runs jobs one at a time on a dedicated thread; ``reconcile()`` applies the device conditions to the queue."""
+
+    def __init__(self, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, layout: Layout,
+                 factory: SessionFactory, hub: EventHub, readings: Callable[[], Readings],
+                 keep_checkpoints: int = 2) -> None:  # fmt: skip
+        self.jobs, self.samples, self.adapters, self.layout = jobs, samples, adapters, layout
+        self.factory, self.hub, self.readings, self.keep = factory, hub, readings, keep_checkpoints
+        self._lock = threading.RLock()
+        self._current: str | None = None
+        self._stop = threading.Event()  # the running session's pause flag
+        self._target: tuple[JobState, Blocked, str] | None = None  # where the current job goes once paused
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="lorad-npu", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Recovers jobs that were on the NPU when the daemon stopped, then starts the worker."""
+        for job in self.jobs.in_states(ON_NPU):
+            ck = self.jobs.checkpoints(job.job_id)
+            where = f"from checkpoint step {ck[-1].step}" if ck else "from the start (no checkpoint)"
+            self._move(job.job_id, ON_NPU, JobState.QUEUED, Blocked.NONE, "", f"daemon restarted; resumes {where}")
+            log.info("job_recovered", job_id=job.job_id, checkpoint_step=ck[-1].step if ck else None)
+        self._thread.start()
+        self.reconcile()
+
+    def close(self, timeout_s: float) -> bool:
+        """Checkpoints the running job (it is queued again for the next start) and stops the worker.
+
+        Returns:
+            True if the worker stopped within ``timeout_s`` seconds.
+        """
+        with self._lock:
+            self._closing = True
+            if self._current is not None:
+                self._request_stop(self._current, JobState.QUEUED, Blocked.NONE, "daemon stopping; resumes on start")
+        self._wake.set()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def current_job_id(self) -> str | None:
+        """The job on the NPU, if any."""
+        return self._current
+
+    # -- decisions -------------------------------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        """Pauses the running job if its conditions lapsed; starts, queues or parks each eligible job in order."""
+        with self._lock:
+            if self._closing:
+                return
+            r = self.readings()
+            cur = self._current
+            if cur is not None and self._target is None:
+                job = self._get(cur)
+                if job is not None and job.state is JobState.RUNNING:
+                    v = evaluate(r, job.spec.requirements)
+                    if not v.ok:
+                        self._request_stop(cur, JobState.WAITING, v.first, v.detail)
+            busy = cur is not None
+            for job in self.jobs.in_states(ELIGIBLE):
+                if job.blocked is Blocked.OUTSIDE_WINDOW:
+                    continue
+                v = evaluate(r, job.spec.requirements)
+                if not v.ok:
+                    self._move(job.job_id, ELIGIBLE, JobState.WAITING, v.first, v.detail, f"waiting: {v.detail}")
+                elif not busy:
+                    if self._move(job.job_id, ELIGIBLE, JobState.RUNNING, Blocked.NONE, "", "started on the NPU"):
+                        self._current, self._target, busy = job.job_id, None, True
+                        self._stop.clear()
+                        self._wake.set()
+                else:
+                    detail = f"job {self._current} owns the NPU; this one runs after it"
+                    self._move(job.job_id, ELIGIBLE, JobState.QUEUED, Blocked.NPU_BUSY, detail, "queued behind the NPU")
+
+    def request_pause(self, job_id: str, to: JobState, blocked: Blocked, detail: str) -> bool:
+        """Asks the running job to checkpoint and move to ``to``; False if it is not the one running."""
+        with self._lock:
+            if self._current != job_id:
+                return False
+            self._request_stop(job_id, to, blocked, detail)
+            return True
+
+    def _request_stop(self, job_id: str, to: JobState, blocked: Blocked, detail: str) -> None:
+        if self._target is None or to is JobState.CANCELLED or self._closing:
+            self._target = (to, blocked, detail)
+        if to is not JobState.CANCELLED:
+            self._move(job_id, (JobState.RUNNING,), JobState.PAUSING, blocked, detail, f"pausing: {detail}")
+        self._stop.set()
+
+    def _move(self, job_id: str, allowed: tuple[JobState, ...] | frozenset[JobState], to: JobState,
+              blocked: Blocked, detail: str, message: str, **fields: object) -> bool:  # fmt: skip
+        try:
+            job = self.jobs.get(job_id)
+            if job.state is to and job.blocked is blocked and job.blocked_detail == detail and not fields:
+                return True
+            self.jobs.transition(job_id, allowed, to, blocked=blocked, detail=detail, message=message, **fields)
+        except (FailedPrecondition, NotFound):
+            return False  # changed meanwhile (cancelled, forgotten): the newer decision stands
+        self.hub.notify()
+        return True
+
+    def _get(self, job_id: str) -> Job | None:
+        try:
+            return self.jobs.get(job_id)
+        except NotFound:
+            return None
+
+    # -- the worker ------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            with self._lock:
+                job_id = self._current
+                if job_id is None and self._closing:
+                    return
+            if job_id is None:
+                continue
+            try:
+                self._run(job_id)
+            except Exception:  # the runner must survive anything a job does
+                log.exception("runner_error", job_id=job_id)
+            with self._lock:
+                self._current, self._target = None, None
+                self._stop.clear()
+                closing = self._closing
+            if closing:
+                return
+            self.reconcile()
+
+    def _run(self, job_id: str) -> None:
+        job = self._get(job_id)
+        if job is None or job.state is not JobState.RUNNING:
+            return
+        structlog.contextvars.bind_contextvars(job_id=job_id, app_id=job.app_id)
+        try:
+            samples = self.samples.training_samples(job.app_id, job.spec.dataset_ids, job.data_until_ms)
+            work = self.layout.job_dir(job.app_id, job_id)
+            work.mkdir(parents=True, exist_ok=True)
+            req = SessionRequest(job_id, job.app_id, job.spec, tuple(samples), work, self.keep)
+            log.info("job_running", samples=len(samples), steps=job.spec.params.max_steps)
+            try:
+                outcome = self.factory(req).run(self._stop.is_set, _Sink(self, job_id))
+            except JobFailure as f:
+                self._fail(job_id, f.code, f.message)
+                return
+            except Exception as exc:
+                log.exception("job_crashed")
+                self._fail(job_id, "internal", f"{type(exc).__name__}: {str(exc)[:300]}")
+                return
+            if outcome.completed and outcome.adapter is not None:
+                self._succeed(job_id, outcome.adapter)
+            else:
+                self._paused(job_id)
+        finally:
+            structlog.contextvars.unbind_contextvars("job_id", "app_id")
+
+    def _fail(self, job_id: str, code: str, message: str) -> None:
+        log.warning("job_failed", code=code)
+        self._move(job_id, ON_NPU, JobState.FAILED, Blocked.NONE, "", f"failed: {code}", error_code=code,
+                   error_message=message)  # fmt: skip
+
+    def _paused(self, job_id: str) -> None:
+        with self._lock:
+            to, blocked, detail = self._target or (JobState.WAITING, Blocked.NONE, "")
+        job = self._get(job_id)
+        if job is None:
+            return
+        if job.state is JobState.CANCELLED:
+            self._drop_checkpoints(job)
+            return
+        step = job.progress.step
+        self._move(job_id, ON_NPU, to, blocked, detail, f"paused at step {step} ({detail or to.name})")
+        log.info("job_paused", step=step, to=to.value)
+
+    def _succeed(self, job_id: str, art: AdapterArtifact) -> None:
+        job = self._get(job_id)
+        if job is None or job.state not in ON_NPU:
+            if art.path.exists():
+                remove_tree(art.path)
+            if job is not None:
+                self._drop_checkpoints(job)
+            return
+        adapter_id = new_id("adp")
+        dest = self.layout.adapter_dir(job.app_id, adapter_id)
+        dest.mkdir(parents=True, exist_ok=True)
+        os.replace(art.path, dest / "peft")  # same filesystem: an atomic move of the finished folder
+        p = job.spec.params
+        rec = AdapterRec(
+            adapter_id=adapter_id, app_id=job.app_id, job_id=job_id, base_model=art.base_model,
+            base_model_sha256=art.base_model_sha256, tokenizer_sha256=art.tokenizer_sha256, rank=p.rank,
+            alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules, steps=art.steps,
+            eval_loss_before=art.eval_loss_before, eval_loss_after=art.eval_loss_after, train_loss=art.train_loss,
+            precision_plan=art.precision_plan, data_until_ms=job.data_until_ms, sample_count=art.sample_count,
+            created_at_ms=now_ms(), size_bytes=tree_size(dest / "peft"), path=str(dest / "peft"),
+        )  # fmt: skip
+        self.adapters.add(rec)
+        if not self._move(job_id, ON_NPU, JobState.SUCCEEDED, Blocked.NONE, "", f"adapter {adapter_id} ready",
+                          adapter_id=adapter_id):  # fmt: skip
+            self.adapters.delete(job.app_id, adapter_id)
+            remove_tree(dest)
+            return
+        self._drop_checkpoints(job)
+        log.info("job_succeeded", adapter_id=adapter_id, steps=art.steps)
+
+    def _drop_checkpoints(self, job: Job) -> None:
+        self.jobs.drop_checkpoints(job.job_id)
+        remove_tree(self.layout.job_dir(job.app_id, job.job_id))
+
+
+class _Sink:
+    """Turns session reports into stored events (called on the worker thread)."""
+
+    def __init__(self, runner: Runner, job_id: str) -> None:
+        self.r, self.job_id = runner, job_id
+
+    def _job(self) -> Job:
+        return self.r.jobs.get(self.job_id)
+
+    def backend(self, name: str, reason: str) -> None:
+        job = self._job()
+        if job.state in ON_NPU:
+            self.r.jobs.transition(self.job_id, ON_NPU, job.state, blocked=job.blocked, detail=job.blocked_detail,
+                                   backend=name)  # fmt: skip
+        self.r.jobs.record(self.job_id, EventKind.NOTICE, message=f"backend {name}: {reason}")
+        self.r.hub.notify()
+
+    def progress(self, progress: Progress, *, evaluated: bool) -> None:
+        before = self._job().progress.eval_loss_before
+        if progress.eval_loss_before is None and before is not None:
+            from dataclasses import replace
+
+            progress = replace(progress, eval_loss_before=before)
+        self.r.jobs.record(self.job_id, EventKind.EVAL if evaluated else EventKind.PROGRESS, progress=progress)
+        self.r.hub.notify()
+
+    def checkpoint(self, step: int, path: Path, size_bytes: int, train_loss: float) -> None:
+        rec = CheckpointRec(new_id("ckpt"), self.job_id, step, now_ms(), size_bytes, train_loss, str(path))
+        self.r.jobs.record(self.job_id, EventKind.CHECKPOINT, checkpoint=rec, message=f"checkpoint at step {step}")
+        # The trainer keeps only the newest few files; forget records whose file is gone.
+        alive = [c.path for c in self.r.jobs.checkpoints(self.job_id) if Path(c.path).exists()]
+        self.r.jobs.drop_checkpoints(self.job_id, keep_paths=alive)
+        self.r.hub.notify()
+
+    def notice(self, message: str) -> None:
+        self.r.jobs.record(self.job_id, EventKind.NOTICE, message=message)
+        self.r.hub.notify()

@@ -1,0 +1,80 @@
+"""The models the daemon offers, by name, and one loaded base model per name shared by every Generate call."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from lorad.server.errors import InvalidArgument
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model name and where it loads from (None = the bundled SmolLM2 GGUF)."""
+
+    name: str
+    source: Path | None
+    is_default: bool
+
+
+class ModelHost:
+    """Resolves model names; loads each base once for inference (adapters are swapped per call, base stays)."""
+
+    def __init__(self, default_model: str, model_dirs: tuple[str, ...], cache_root: Path, backend: str) -> None:
+        self.cache_root = cache_root
+        self.backend_override = backend
+        entries: list[ModelEntry] = []
+        if default_model:
+            p = Path(default_model).expanduser()
+            entries.append(ModelEntry(p.name.lower(), p, True))
+        else:
+            entries.append(ModelEntry(DEFAULT_NAME, None, True))
+        for d in model_dirs:
+            p = Path(d).expanduser()
+            if p.name.lower() not in {e.name for e in entries}:
+                entries.append(ModelEntry(p.name.lower(), p, False))
+        self.entries = {e.name: e for e in entries}
+        self.default = entries[0]
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()  # one load at a time; generation itself is serialised by the caller
+
+    def entry(self, name: str, field: str = "config.base_model") -> ModelEntry:
+        """The entry for a name ("" = the default).
+
+        Raises:
+            InvalidArgument: unknown name (the known ones are listed).
+        """
+        if not name:
+            return self.default
+        e = self.entries.get(name.lower())
+        if e is None:
+            raise InvalidArgument(field, f"unknown model {name[:64]!r}; one of {', '.join(sorted(self.entries))}")
+        return e
+
+    def loaded(self, name: str) -> Any | None:
+        """The loaded base for ``name`` if it is already in memory (for status), else None."""
+        return self._loaded.get(self.entry(name).name)
+
+    def base(self, name: str) -> Any:
+        """The base model for inference (a ``LoadedModel`` without LoRA), loading it on first use."""
+        e = self.entry(name)
+        with self._lock:
+            if e.name not in self._loaded:
+                from lorad.kernels import detect_backend
+                from lorad.server.models import load_model
+                from lorad.server.training.recipe import resolve_precision
+
+                info = detect_backend(self.backend_override)
+                self._loaded[e.name] = load_model(
+                    e.source, cache_root=self.cache_root, backend=info.name,
+                    precision=resolve_precision("auto", info.name), lora=None,
+                )  # fmt: skip
+                log.info("inference_model_loaded", model=e.name, backend=info.name)
+            return self._loaded[e.name]

@@ -1,0 +1,1 @@
+"""gRPC edge: the auth + error interceptor, proto↔domain conversion and thin servicers."""

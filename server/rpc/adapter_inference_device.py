@@ -1,0 +1,193 @@
+"""AdapterService, InferenceService and DeviceService servicers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from grpc import aio
+
+from lorad.server import validation as v
+from lorad.server.device.conditions import evaluate
+from lorad.server.domain import JobState, Message
+from lorad.server.downloads import CHUNK, adapter_file
+from lorad.server.errors import InvalidArgument
+from lorad.server.generation import Generator, GenRequest, check_generate
+from lorad.server.jobs.files import remove_tree
+from lorad.server.rpc import convert as cv
+from lorad.server.rpc.interceptor import principal
+from lorad.server.services import Services
+from lorad.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
+    common_pb2,
+    device_pb2,
+    device_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    jobs_pb2,
+)
+
+FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
+          "context": inference_pb2.FINISH_REASON_CONTEXT}  # fmt: skip
+
+
+class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
+    """The calling app's adapters."""
+
+    def __init__(self, s: Services) -> None:
+        self.s = s
+
+    async def ListAdapters(self, request: adapters_pb2.ListAdaptersRequest, context: aio.ServicerContext) -> Any:
+        app_id = principal().require_app()
+        recs, nxt = await asyncio.to_thread(self.s.adapters.list, app_id, request.page_size, request.page_token)
+        return adapters_pb2.ListAdaptersResponse(adapters=[cv.adapter_pb(r) for r in recs], next_page_token=nxt)
+
+    async def GetAdapter(self, request: adapters_pb2.GetAdapterRequest, context: aio.ServicerContext) -> Any:
+        app_id = principal().require_app()
+        rec = await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
+        return adapters_pb2.GetAdapterResponse(adapter=cv.adapter_pb(rec))
+
+    async def DownloadAdapter(self, request: adapters_pb2.DownloadAdapterRequest,
+                              context: aio.ServicerContext) -> AsyncIterator[adapters_pb2.DownloadAdapterResponse]:  # fmt: skip
+        app_id = principal().require_app()
+        rec = await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
+        fmt = cv.FORMAT_NAMES.get(request.format)
+        if fmt is None:
+            raise InvalidArgument("format", f"{request.format} unknown; ADAPTER_FORMAT_PEFT, _GGUF or _MERGED")
+        path, size, sha, name = await asyncio.to_thread(adapter_file, rec, fmt, self.s.models)
+        if request.read_offset > size:
+            raise InvalidArgument("read_offset", f"{request.read_offset} is past the end of the file ({size} bytes)")
+        header = adapters_pb2.DownloadHeader(total_size_bytes=size, sha256=sha, filename=name,
+                                             format=cv.FORMAT_ENUMS[fmt])  # fmt: skip
+        yield adapters_pb2.DownloadAdapterResponse(header=header, offset=request.read_offset)
+        offset = request.read_offset
+        with path.open("rb") as f:
+            f.seek(offset)
+            while chunk := await asyncio.to_thread(f.read, CHUNK):
+                yield adapters_pb2.DownloadAdapterResponse(chunk=chunk, offset=offset)
+                offset += len(chunk)
+
+    async def DeleteAdapter(self, request: adapters_pb2.DeleteAdapterRequest, context: aio.ServicerContext) -> Any:
+        app_id = principal().require_app()
+        aid = v.check_server_id("adapter_id", request.adapter_id)
+        rec = await asyncio.to_thread(self.s.adapters.delete, app_id, aid)
+        freed = await asyncio.to_thread(remove_tree, self.s.layout.adapter_dir(app_id, rec.adapter_id))
+        return adapters_pb2.DeleteAdapterResponse(freed_bytes=freed)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """Streams generated text."""
+
+    def __init__(self, s: Services) -> None:
+        self.s = s
+        self.gen = Generator(s.models)
+
+    async def Generate(self, request: inference_pb2.GenerateRequest,
+                       context: aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:  # fmt: skip
+        app_id = principal().require_app()
+        which = request.WhichOneof("prompt")
+        text = messages = None
+        if which == "text":
+            if not request.text or len(request.text.encode()) > 65_536:
+                raise InvalidArgument("text", "must be 1 to 65,536 bytes of UTF-8")
+            text = request.text
+        elif which == "chat":
+            body = cv.sample_from_pb(common_pb2.Sample(chat=request.chat))
+            v.validate_samples([body], field="chat")
+            messages = tuple(Message(m.role, m.content) for m in body.messages or ()) if body else ()
+        else:
+            raise InvalidArgument("prompt", "exactly one of text or chat must be set")
+        n, temp, top_p = check_generate(request.max_tokens, request.temperature, request.top_p, list(request.stop))
+        if request.base_model:
+            self.s.models.entry(request.base_model, field="base_model")
+        rec = None
+        if request.adapter_id:
+            rec = await asyncio.to_thread(self.s.adapters.get, app_id, request.adapter_id)
+        req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for piece in self.gen.stream(req, rec, stop.is_set):
+                    loop.call_soon_threadsafe(queue.put_nowait, piece)
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+            except BaseException as exc:  # handed to the RPC task, which maps it
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        worker = loop.run_in_executor(None, produce)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield inference_pb2.GenerateResponse(text=item.text, token_count=item.token_count,
+                                                     finish_reason=FINISH.get(item.finish, 0),
+                                                     prompt_token_count=item.prompt_tokens)  # fmt: skip
+        finally:
+            stop.set()
+            with contextlib.suppress(BaseException):
+                await worker
+
+
+class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
+    """Backend, readings and what the caller's job waits for."""
+
+    def __init__(self, s: Services) -> None:
+        self.s = s
+
+    def _status(self, app_id: str | None) -> device_pb2.GetDeviceStatusResponse:
+        from lorad.kernels import detect_backend
+
+        info = detect_backend(self.s.cfg.training.backend)
+        backend = device_pb2.BackendStatus(
+            backend=cv.BACKEND_ENUMS.get(info.name, 0), reason=info.reason, soc_model=info.soc_model,
+            htp_arch=info.htp_arch,
+            available=[device_pb2.BackendAvailability(backend=cv.BACKEND_ENUMS.get(k, 0),
+                                                      usable=not st.startswith("unavailable"), detail=st)
+                       for k, st in info.available.items()],
+        )  # fmt: skip
+        r = self.s.monitor.latest()
+        verdict = evaluate(r, self.s.default_requirements)
+        out = device_pb2.GetDeviceStatusResponse(
+            backend=backend, readings=cv.readings_pb(r), can_train=verdict.ok,
+            blocked_reasons=[cv.blocked_pb(b) for b in verdict.reasons], blocked_detail=verdict.detail,
+            version=_version(),
+        )  # fmt: skip
+        if app_id is not None:
+            active = self.s.jobs.list(app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED,
+                                               JobState.WAITING], 1000, "")[0]  # fmt: skip
+            if active:
+                job = min(active, key=lambda j: (j.state not in (JobState.RUNNING, JobState.PAUSING), j.created_at_ms))
+                out.current_job_id, out.current_job_state = job.job_id, cv.state_pb(job.state)
+                if job.blocked_detail and not out.blocked_detail:
+                    out.blocked_detail = job.blocked_detail
+        for e in self.s.models.entries.values():
+            m = device_pb2.ModelInfo(name=e.name, is_default=e.is_default)
+            loaded = self.s.models.loaded(e.name)
+            if loaded is not None:
+                m.sha256 = loaded.model_hash
+                m.family = getattr(loaded.config, "arch", "") or ""
+                m.parameters = sum(int(p.numel()) for p in loaded.model.parameters())
+            out.models.append(m)
+        return out
+
+    async def GetDeviceStatus(self, request: device_pb2.GetDeviceStatusRequest, context: aio.ServicerContext) -> Any:
+        return await asyncio.to_thread(self._status, principal().app_id)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lorad")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__all__ = ["AdapterServicer", "DeviceServicer", "InferenceServicer", "jobs_pb2"]

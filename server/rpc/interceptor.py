@@ -1,0 +1,110 @@
+"""Authenticates every call, binds the caller to the handler, and turns domain errors into statuses (one place)."""
+
+from __future__ import annotations
+
+import contextvars
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from grpc import aio
+from lorad.server.auth import Authenticator, Principal
+from lorad.server.errors import LoradError, Unauthenticated, Unavailable
+from lorad.server.rpc.errors import status_for, trailing_metadata
+
+log = structlog.get_logger(__name__)
+
+PRINCIPAL: contextvars.ContextVar[Principal] = contextvars.ContextVar("lorad_principal")
+# Standard services answered without a token (health probes from service managers, reflection for grpcurl).
+PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def principal() -> Principal:
+    """The authenticated caller of the current RPC."""
+    return PRINCIPAL.get()
+
+
+def _auth_header(context: aio.ServicerContext) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization":
+            return v if isinstance(v, str) else v.decode()
+    return None
+
+
+async def _fail(context: aio.ServicerContext, method: str, exc: LoradError) -> None:
+    code = status_for(exc)
+    log.info("rpc_error", method=method, code=code.name, error=str(exc)[:200])
+    context.set_trailing_metadata(trailing_metadata(exc))
+    await context.abort(code, str(exc))
+
+
+class AuthInterceptor(aio.ServerInterceptor):
+    """Wraps each handler: token → Principal (UNAUTHENTICATED otherwise), domain error → status code."""
+
+    def __init__(self, auth: Authenticator, serving: Callable[[], bool]) -> None:
+        self.auth = auth
+        self.serving = serving
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method.startswith(PUBLIC_PREFIXES):
+            return handler
+        return _wrap(handler, method, self)
+
+    def begin(self, context: aio.ServicerContext, method: str) -> contextvars.Token[Principal]:
+        """Authenticates and binds context for one call (raises a LoradError)."""
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=secrets.token_hex(4), method=method.rsplit("/", 1)[-1])
+        if not self.serving():
+            raise Unavailable("lorad is shutting down; retry after it restarts")
+        p = self.auth.authenticate(_auth_header(context))
+        structlog.contextvars.bind_contextvars(app_id=p.app_id or "owner")
+        return PRINCIPAL.set(p)
+
+
+def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.RpcMethodHandler:
+    if h.unary_unary or h.stream_unary:
+        inner = h.unary_unary or h.stream_unary
+
+        async def unary(request: Any, context: aio.ServicerContext) -> Any:
+            try:
+                token = ic.begin(context, method)
+            except LoradError as exc:
+                await _fail(context, method, exc)
+            try:
+                return await inner(request, context)
+            except LoradError as exc:
+                await _fail(context, method, exc)
+            finally:
+                PRINCIPAL.reset(token)
+
+        make = grpc.unary_unary_rpc_method_handler if h.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(unary, request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
+
+    inner_s = h.unary_stream or h.stream_stream
+
+    async def streaming(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            token = ic.begin(context, method)
+        except LoradError as exc:
+            await _fail(context, method, exc)
+        try:
+            async for item in inner_s(request, context):
+                yield item
+        except LoradError as exc:
+            await _fail(context, method, exc)
+        finally:
+            PRINCIPAL.reset(token)
+
+    make_s = grpc.unary_stream_rpc_method_handler if h.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make_s(streaming, request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
+
+
+__all__ = ["AuthInterceptor", "Unauthenticated", "principal"]

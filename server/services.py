@@ -1,0 +1,78 @@
+"""Wires the daemon's parts together: store, auth, runner, manager, monitor, scheduler, models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorad.server.auth import Authenticator, ensure_owner_token
+from lorad.server.config import Config
+from lorad.server.device.monitor import ConditionMonitor
+from lorad.server.device.probes import Probe, make_probe
+from lorad.server.domain import Requirements
+from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
+from lorad.server.modelhost import ModelHost
+from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
+from lorad.server.store.schedules import ScheduleRepo
+
+
+@dataclass
+class Services:
+    """Everything a servicer may call."""
+
+    cfg: Config
+    db: Database
+    apps: AppRepo
+    samples: SampleRepo
+    jobs: JobRepo
+    adapters: AdapterRepo
+    schedules: ScheduleRepo
+    layout: Layout
+    hub: EventHub
+    runner: Runner
+    manager: JobManager
+    monitor: ConditionMonitor
+    models: ModelHost
+    auth: Authenticator
+    owner_token: str
+
+    @property
+    def default_requirements(self) -> Requirements:
+        """The configured default device requirements."""
+        c = self.cfg.conditions
+        return Requirements(c.require_charging, c.min_battery_percent, c.max_temperature_celsius, c.require_idle)
+
+
+def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Probe | None = None) -> Services:
+    """Opens the store and builds every part (nothing runs until the daemon starts the runner and monitor).
+
+    Args:
+        cfg: configuration.
+        factory: training sessions; default the real engine (tests may inject others for store/RPC logic).
+        probe: device readings; default from ``cfg.conditions``.
+    """
+    data = cfg.data_dir
+    data.mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)
+    db = Database(data / "lorad.sqlite")
+    apps, samples, jobs, adapters = AppRepo(db), SampleRepo(db), JobRepo(db), AdapterRepo(db)
+    layout = Layout(data)
+    hub = EventHub()
+    cache_root = data / "cache"
+    models = ModelHost(cfg.training.default_model, cfg.training.model_dirs, cache_root, cfg.training.backend)
+    if factory is None:
+        from lorad.server.jobs.engine import engine_factory
+
+        factory = engine_factory(models, cache_root, cfg.training.backend)
+    c = cfg.conditions
+    monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
+    runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints)
+    manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout)
+    owner = ensure_owner_token(data)
+    return Services(cfg, db, apps, samples, jobs, adapters, ScheduleRepo(db), layout, hub, runner, manager, monitor,
+                    models, Authenticator(owner, apps), owner)  # fmt: skip
+
+
+def owner_token_path(data_dir: Path) -> Path:
+    """Where the owner token lives."""
+    return data_dir / "owner.token"

@@ -1,0 +1,87 @@
+"""JSON encoding of domain values stored in TEXT columns."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from lorad.server.domain import (
+    CheckpointRec,
+    JobSpec,
+    Message,
+    Progress,
+    Requirements,
+    SampleBody,
+    TrainingParams,
+    Window,
+)
+
+
+def dumps(value: Any) -> str:
+    """Canonical JSON (sorted keys, no spaces) so equal values hash equally."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def body_to_json(body: SampleBody) -> str:
+    """A sample body as canonical JSON."""
+    if body.text is not None:
+        return dumps({"text": body.text})
+    return dumps({"chat": [[m.role, m.content] for m in body.messages or ()]})
+
+
+def body_from_json(raw: str) -> SampleBody:
+    """Inverse of body_to_json."""
+    d = json.loads(raw)
+    if "text" in d:
+        return SampleBody(text=d["text"])
+    return SampleBody(messages=tuple(Message(r, c) for r, c in d["chat"]))
+
+
+def content_hash(body: SampleBody) -> str:
+    """SHA-256 of the canonical body: duplicates are equal bodies."""
+    return hashlib.sha256(body_to_json(body).encode()).hexdigest()
+
+
+def spec_to_json(spec: JobSpec) -> str:
+    """A job spec as canonical JSON."""
+    return dumps(dataclasses.asdict(spec))
+
+
+def spec_from_json(raw: str) -> JobSpec:
+    """Inverse of spec_to_json."""
+    d = json.loads(raw)
+    p = dict(d["params"])
+    p["target_modules"] = tuple(p["target_modules"])
+    return JobSpec(
+        dataset_ids=tuple(d["dataset_ids"]),
+        params=TrainingParams(**p),
+        requirements=Requirements(**d["requirements"]),
+        window=Window(**d["window"]) if d.get("window") else None,
+    )
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """SHA-256 of the canonical spec (request_id idempotency compares these)."""
+    return hashlib.sha256(spec_to_json(spec).encode()).hexdigest()
+
+
+def progress_to_json(p: Progress) -> str:
+    """Progress as JSON."""
+    return dumps(dataclasses.asdict(p))
+
+
+def progress_from_json(raw: str) -> Progress:
+    """Inverse of progress_to_json (an empty object is the zero progress)."""
+    return Progress(**json.loads(raw or "{}"))
+
+
+def checkpoint_to_json(c: CheckpointRec | None) -> str:
+    """A checkpoint record as JSON ('' for none)."""
+    return dumps(dataclasses.asdict(c)) if c is not None else ""
+
+
+def checkpoint_from_json(raw: str) -> CheckpointRec | None:
+    """Inverse of checkpoint_to_json."""
+    return CheckpointRec(**json.loads(raw)) if raw else None

@@ -1,0 +1,106 @@
+"""One SQLite connection in WAL mode, serialised by a lock, with versioned schema migrations."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import structlog
+from lorad.server.store.migrations import MIGRATIONS
+
+log = structlog.get_logger(__name__)
+
+
+def now_ms() -> int:
+    """Current Unix time in milliseconds."""
+    return time.time_ns() // 1_000_000
+
+
+def new_id(prefix: str) -> str:
+    """A time-ordered id, e.g. ``job_0193a1b2c3d4e5f6a7b8``: 12 hex digits of ms, then 8 random hex digits."""
+    return f"{prefix}_{now_ms():012x}{secrets.token_hex(4)}"
+
+
+def encode_cursor(value: str) -> str:
+    """Opaque page token for a cursor value."""
+    return base64.urlsafe_b64encode(value.encode()).decode().rstrip("=")
+
+
+def decode_cursor(token: str) -> str | None:
+    """The cursor inside a page token, None for a malformed one (callers raise InvalidArgument)."""
+    try:
+        return base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def page_size(requested: int) -> int:
+    """The API's paging rule: 0 means 100, values above 1000 are clamped."""
+    return 100 if requested <= 0 else min(requested, 1000)
+
+
+class Database:
+    """The daemon's SQLite database. Thread-safe: every use holds one lock (SQLite serialises writers anyway)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves so a whole append is one transaction.
+        self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            raise RuntimeError(f"SQLite refused WAL mode (got {mode!r}) for {path}")
+        # FULL: a commit is on disk before we acknowledge it (samples are acknowledged only after commit).
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._migrate()
+
+    @property
+    def schema_version(self) -> int:
+        """The applied schema version."""
+        with self._lock:
+            return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        current = self.schema_version
+        for version, sql in MIGRATIONS:
+            if version <= current:
+                continue
+            with self.tx() as c:
+                for stmt in (s.strip() for s in sql.split(";")):
+                    if stmt:
+                        c.execute(stmt)
+                c.execute(f"PRAGMA user_version={version}")
+            log.info("store_migrated", version=version, path=str(self.path))
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (BEGIN IMMEDIATE … COMMIT); rolls back on any exception."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A consistent read (one implicit transaction per statement; the lock keeps writers out meanwhile)."""
+        with self._lock:
+            yield self._conn
+
+    def close(self) -> None:
+        """Closes the connection (checkpoints the WAL)."""
+        with self._lock:
+            self._conn.close()

@@ -1,0 +1,205 @@
+"""Request validation: every check names the bad field path and the allowed values (→ INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import re
+import zoneinfo
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lorad.server.domain import Requirements, SampleBody, TrainingParams, Window
+from lorad.server.errors import InvalidArgument
+
+ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+ROLES = ("system", "user", "assistant")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_SAMPLES_PER_CALL = 1000
+MAX_SAMPLE_BYTES = 65_536  # per text / per chat turn, UTF-8 bytes
+MAX_TURNS = 256
+MAX_DATASETS_PER_JOB = 64
+
+
+def check_id(field: str, value: str) -> str:
+    """A caller-chosen id (app, dataset).
+
+    Raises:
+        InvalidArgument: not `[a-z0-9][a-z0-9._-]{0,63}`.
+    """
+    if not ID_RE.fullmatch(value):
+        raise InvalidArgument(field, f"{value[:80]!r} must match [a-z0-9][a-z0-9._-]{{0,63}} (lowercase, no '/')")
+    return value
+
+
+def check_server_id(field: str, value: str) -> str:
+    """A server-assigned id (job, adapter, schedule): required and short; unknown ones are NOT_FOUND later."""
+    if not value:
+        raise InvalidArgument(field, "required")
+    if len(value) > 128:
+        raise InvalidArgument(field, "too long (at most 128 bytes)")
+    return value
+
+
+def check_request_id(value: str) -> str:
+    """CreateJob's idempotency key."""
+    if not REQUEST_ID_RE.fullmatch(value):
+        raise InvalidArgument("request_id", "required: 1 to 128 characters of [A-Za-z0-9._:-]")
+    return value
+
+
+def _text(field: str, value: str) -> None:
+    if not value:
+        raise InvalidArgument(field, "empty; must be 1 to 65,536 bytes of UTF-8")
+    try:
+        n = len(value.encode())
+    except UnicodeEncodeError:
+        raise InvalidArgument(field, "not valid UTF-8") from None
+    if n > MAX_SAMPLE_BYTES:
+        raise InvalidArgument(field, f"too long: {n} bytes > 65,536")
+
+
+def validate_samples(bodies: Sequence[SampleBody | None], field: str = "samples") -> None:
+    """Checks a batch of samples; ``None`` stands for a sample with no content set.
+
+    Raises:
+        InvalidArgument: naming e.g. ``samples[3].chat.messages[1].role``.
+    """
+    if not bodies:
+        raise InvalidArgument(field, "empty; send 1 to 1,000 samples")
+    if len(bodies) > MAX_SAMPLES_PER_CALL:
+        raise InvalidArgument(field, f"too many: {len(bodies)} > 1,000 per call; split the batch")
+    for i, b in enumerate(bodies):
+        path = f"{field}[{i}]"
+        if b is None or (b.text is None) == (b.messages is None):
+            raise InvalidArgument(path, "exactly one of text or chat must be set")
+        if b.text is not None:
+            _text(f"{path}.text", b.text)
+            continue
+        msgs = b.messages or ()
+        if not msgs:
+            raise InvalidArgument(f"{path}.chat.messages", "empty; a chat needs 1 to 256 turns")
+        if len(msgs) > MAX_TURNS:
+            raise InvalidArgument(f"{path}.chat.messages", f"too many turns: {len(msgs)} > 256")
+        for j, m in enumerate(msgs):
+            if m.role not in ROLES:
+                raise InvalidArgument(
+                    f"{path}.chat.messages[{j}].role", "unknown role; use ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT"
+                )
+            _text(f"{path}.chat.messages[{j}].content", m.content)
+
+
+def check_dataset_ids(field: str, ids: Sequence[str]) -> tuple[str, ...]:
+    """1 to 64 distinct dataset ids."""
+    if not ids:
+        raise InvalidArgument(field, "empty; name 1 to 64 datasets")
+    if len(ids) > MAX_DATASETS_PER_JOB:
+        raise InvalidArgument(field, f"too many: {len(ids)} > 64")
+    for i, d in enumerate(ids):
+        check_id(f"{field}[{i}]", d)
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument(field, "contains duplicates")
+    return tuple(ids)
+
+
+def _num(raw: Mapping[str, Any], key: str) -> Any:
+    return raw.get(key) or 0
+
+
+def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParams:
+    """TrainingConfig fields (proto names; 0 = default) → TrainingParams with defaults filled in.
+
+    Raises:
+        InvalidArgument: naming e.g. ``config.lora.rank``.
+    """
+    d = TrainingParams()
+    rank = int(_num(raw, "rank")) or d.rank
+    if not 1 <= rank <= 128:
+        raise InvalidArgument(f"{field}.lora.rank", f"{rank} out of range; 1 to 128 (0 = 8)")
+    alpha = float(_num(raw, "alpha")) or 2.0 * rank
+    if alpha < 0:
+        raise InvalidArgument(f"{field}.lora.alpha", f"{alpha} must be > 0 (0 = 2 * rank)")
+    dropout = float(_num(raw, "dropout"))
+    if not 0 <= dropout <= 0.5:
+        raise InvalidArgument(f"{field}.lora.dropout", f"{dropout} out of range; 0 to 0.5")
+    targets = tuple(raw.get("target_modules") or TARGETS)
+    for i, t in enumerate(targets):
+        if t not in TARGETS:
+            raise InvalidArgument(f"{field}.lora.target_modules[{i}]", f"{t[:40]!r} unknown; one of {', '.join(TARGETS)}")
+    if len(set(targets)) != len(targets):
+        raise InvalidArgument(f"{field}.lora.target_modules", "contains duplicates")
+    steps = int(_num(raw, "max_steps")) or d.max_steps
+    if not 1 <= steps <= 100_000:
+        raise InvalidArgument(f"{field}.max_steps", f"{steps} out of range; 1 to 100,000 (0 = 100)")
+    lr = float(_num(raw, "learning_rate")) or d.learning_rate
+    if not 0 < lr < 1:
+        raise InvalidArgument(f"{field}.learning_rate", f"{lr} out of range; > 0 and < 1 (0 = 2e-4)")
+    ints = {"batch_size": (1, 64, 1), "seq_len": (16, 4096, 256), "grad_accum_steps": (1, 64, 1)}
+    vals: dict[str, int] = {}
+    for k, (lo, hi, default) in ints.items():
+        v = int(_num(raw, k)) or default
+        if not lo <= v <= hi:
+            raise InvalidArgument(f"{field}.{k}", f"{v} out of range; {lo} to {hi} (0 = {default})")
+        vals[k] = v
+    warmup = int(_num(raw, "warmup_steps"))
+    if warmup >= steps:
+        raise InvalidArgument(f"{field}.warmup_steps", f"{warmup} must be below max_steps={steps}")
+    wd = float(_num(raw, "weight_decay"))
+    if not 0 <= wd <= 1:
+        raise InvalidArgument(f"{field}.weight_decay", f"{wd} out of range; 0 to 1")
+    clip = float(_num(raw, "max_grad_norm"))
+    if clip < 0:
+        raise InvalidArgument(f"{field}.max_grad_norm", f"{clip} must not be negative (0 = 1.0)")
+    eval_fraction = float(_num(raw, "eval_fraction")) or d.eval_fraction
+    if not 0 < eval_fraction <= 0.5:
+        raise InvalidArgument(f"{field}.eval_fraction", f"{eval_fraction} out of range; 0 to 0.5 (0 = 0.1)")
+    base = str(raw.get("base_model") or "")
+    if len(base) > 256:
+        raise InvalidArgument(f"{field}.base_model", "too long (at most 256 bytes)")
+    return TrainingParams(
+        base_model=base, rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, max_steps=steps,
+        learning_rate=lr, batch_size=vals["batch_size"], seq_len=vals["seq_len"],
+        grad_accum_steps=vals["grad_accum_steps"], warmup_steps=warmup,
+        lr_schedule=str(raw.get("lr_schedule") or "cosine"), weight_decay=wd, max_grad_norm=clip or 1.0,
+        eval_every_steps=int(_num(raw, "eval_every_steps")) or d.eval_every_steps,
+        checkpoint_every_steps=int(_num(raw, "checkpoint_every_steps")) or d.checkpoint_every_steps,
+        seed=int(_num(raw, "seed")), backend=str(raw.get("backend") or "auto"),
+        precision=str(raw.get("precision") or "auto"), eval_fraction=eval_fraction,
+    )  # fmt: skip
+
+
+def build_requirements(raw: Mapping[str, Any], defaults: Requirements, field: str = "requirements") -> Requirements:
+    """DeviceRequirements (unset keys absent from ``raw``) → Requirements with the daemon's defaults filled in."""
+    battery = int(raw.get("min_battery_percent", defaults.min_battery_percent))
+    if not 0 <= battery <= 100:
+        raise InvalidArgument(f"{field}.min_battery_percent", f"{battery} out of range; 0 to 100")
+    temp = float(raw.get("max_temperature_celsius", defaults.max_temperature_celsius))
+    if not 20 <= temp <= 80:
+        raise InvalidArgument(f"{field}.max_temperature_celsius", f"{temp} out of range; 20 to 80 °C")
+    return Requirements(
+        require_charging=bool(raw.get("require_charging", defaults.require_charging)),
+        min_battery_percent=battery,
+        max_temperature_celsius=temp,
+        require_idle=bool(raw.get("require_idle", defaults.require_idle)),
+    )
+
+
+def build_window(cron: str, jitter_seconds: int, timezone: str, field: str = "window") -> Window:
+    """A TrainingWindow → Window; the cron expression and zone are parsed here so errors name the field."""
+    from apscheduler.triggers.cron import CronTrigger
+
+    if not cron:
+        raise InvalidArgument(f"{field}.cron", "required: a five-field cron expression, e.g. '30 2 * * *'")
+    if not 0 <= jitter_seconds <= 3600:
+        raise InvalidArgument(f"{field}.jitter_seconds", f"{jitter_seconds} out of range; 0 to 3,600")
+    if timezone:
+        try:
+            zoneinfo.ZoneInfo(timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise InvalidArgument(f"{field}.timezone", f"{timezone[:64]!r} is not an IANA zone, e.g. 'Europe/Berlin'") from None
+    if len(cron.split()) != 5:
+        raise InvalidArgument(f"{field}.cron", f"{cron[:64]!r} must have five fields: minute hour day month weekday")
+    try:
+        CronTrigger.from_crontab(cron, timezone=timezone or None)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.cron", f"{cron[:64]!r}: {exc}") from None
+    return Window(cron=cron, jitter_seconds=jitter_seconds, timezone=timezone)

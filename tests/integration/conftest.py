@@ -1,0 +1,123 @@
+"""Fixtures: a tiny random Llama HF folder and a real lorad daemon running in-process (own thread and event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
+
+from tiny_models import save_tiny_hf  # noqa: E402
+
+from lorad.server.config import build_config  # noqa: E402
+from lorad.v1 import (  # noqa: E402
+    adapters_pb2_grpc,
+    apps_pb2,
+    apps_pb2_grpc,
+    data_pb2_grpc,
+    device_pb2_grpc,
+    inference_pb2_grpc,
+    jobs_pb2_grpc,
+)
+
+GOOD = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama (vocab 320, hidden 64) with a BPE tokenizer and a ChatML template."""
+    return save_tiny_hf(tmp_path_factory.mktemp("models"), "llama")
+
+
+class Stubs:
+    """Sync stubs for every service on one channel, with a bearer token."""
+
+    def __init__(self, channel: grpc.Channel, token: str) -> None:
+        self.channel = channel
+        self.md = (("authorization", f"Bearer {token}"),)
+        self.apps = apps_pb2_grpc.AppServiceStub(channel)
+        self.data = data_pb2_grpc.DataServiceStub(channel)
+        self.jobs = jobs_pb2_grpc.JobServiceStub(channel)
+        self.adapters = adapters_pb2_grpc.AdapterServiceStub(channel)
+        self.inference = inference_pb2_grpc.InferenceServiceStub(channel)
+        self.device = device_pb2_grpc.DeviceServiceStub(channel)
+
+
+class DaemonHandle:
+    """A real Daemon on a temp Unix socket (and TCP port 0 when asked), served by a background event loop."""
+
+    def __init__(self, data_dir: Path, model_dir: Path, tcp: bool = False, factory: Any = None,
+                 probe_values: dict[str, Any] | None = None, **conditions: Any) -> None:
+        from lorad.server.daemon import Daemon
+
+        self.data_dir = data_dir
+        self.probe_file = data_dir.parent / f"{data_dir.name}-probe.json"
+        self.set_probe(GOOD if probe_values is None else probe_values)
+        cfg = build_config({
+            "storage": {"data_dir": str(data_dir)},
+            "server": {"tcp_address": "127.0.0.1:0" if tcp else "", "shutdown_grace_seconds": 1.0},
+            "conditions": {"probe": "file", "probe_file": str(self.probe_file), "poll_seconds": 0.1, **conditions},
+            "training": {"default_model": str(model_dir), "backend": "torch"},
+            "logging": {"level": "warning"},
+        }, env={})  # fmt: skip
+        self.daemon = Daemon(cfg, factory=factory)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.daemon.start(), self.loop).result(60)
+        self.owner_token = (data_dir / "owner.token").read_text().strip()
+        self.channels: list[grpc.Channel] = []
+
+    def set_probe(self, values: dict[str, Any]) -> None:
+        tmp = self.probe_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(values))
+        tmp.replace(self.probe_file)
+
+    def channel(self, tcp: bool = False) -> grpc.Channel:
+        target = f"127.0.0.1:{self.daemon.tcp_port}" if tcp else f"unix:{self.daemon.socket_path}"
+        ch = grpc.insecure_channel(target)
+        self.channels.append(ch)
+        return ch
+
+    def stubs(self, token: str, tcp: bool = False) -> Stubs:
+        return Stubs(self.channel(tcp), token)
+
+    def owner(self, tcp: bool = False) -> Stubs:
+        return self.stubs(self.owner_token, tcp)
+
+    def register(self, app_id: str, **quota: int) -> tuple[Stubs, str]:
+        resp = self.owner().apps.RegisterApp(
+            apps_pb2.RegisterAppRequest(app_id=app_id, quota=apps_pb2.AppQuota(**quota)), metadata=self.owner().md
+        )
+        return self.stubs(resp.token), resp.token
+
+    def stop(self) -> None:
+        for ch in self.channels:
+            ch.close()
+        asyncio.run_coroutine_threadsafe(self.daemon.stop(), self.loop).result(120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, tiny_llama: Path) -> Iterator[Any]:
+    """Factory: ``make_daemon(tcp=False, factory=None, **conditions)`` → a started DaemonHandle (stopped after)."""
+    started: list[DaemonHandle] = []
+
+    def make(name: str = "data", **kw: Any) -> DaemonHandle:
+        h = DaemonHandle(tmp_path / name, tiny_llama, **kw)
+        started.append(h)
+        return h
+
+    yield make
+    for h in started:
+        if h.thread.is_alive():
+            h.stop()
