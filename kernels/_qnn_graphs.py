@@ -11,34 +11,30 @@ from onnx import TensorProto, helper
 ACT_GRID = {16: (np.uint16, 32768, 1.0 / 32767), 8: (np.uint8, 128, 1.0 / 127)}
 
 
-def fp16_dynamic_weight(out_f: int, in_f: int, t: int, bias: np.ndarray | None, direction: str) -> bytes:
-    """FP16 graph with the weight as graph input ``W`` in the tall layout (notes §1: wide dynamic-B MatMul
-    prepares for ~15 s; ``[max(K,N), min(K,N)]`` prepares in ≤0.2 s).
+def fp16_dynamic_weight(out_f: int, in_f: int, t: int, has_bias: bool, direction: str) -> bytes:
+    """FP16 graph with the weight (and bias) as graph inputs, the weight in the tall layout (notes §1: a wide
+    dynamic-B MatMul prepares for ~15 s; ``[max(K,N), min(K,N)]`` prepares in ≤0.2 s).
 
     out >= in: ``W`` is nn.Linear [out, in]: fwd ``Gemm(x, W, transB=1)``, bwd ``MatMul(dy, W)``.
     out <  in: ``W`` is math [in, out]:      fwd ``MatMul(x, W)``,            bwd ``Gemm(dy, W, transB=1)``.
+    The graph holds no weight data, so every layer of one shape can share one session per bucket.
     """
     linear_layout = out_f >= in_f
     w_shape = [out_f, in_f] if linear_layout else [in_f, out_f]
     a, k, n = ("x", in_f, out_f) if direction == "fwd" else ("dy", out_f, in_f)
-    inits: list[onnx.TensorProto] = []
+    inputs = [value(a, np.float16, [t, k]), value("W", np.float16, w_shape)]
     nodes: list[onnx.NodeProto] = []
     gemm = (direction == "fwd") == linear_layout
     if gemm:
         nodes.append(helper.make_node("Gemm", [a, "W"], ["mm"], transB=1))
     else:
         nodes.append(helper.make_node("MatMul", [a, "W"], ["mm"]))
-    if direction == "fwd" and bias is not None:
-        inits.append(init("b", bias.astype(np.float16)))
+    if direction == "fwd" and has_bias:
+        inputs.append(value("b", np.float16, [out_f]))
         nodes.append(helper.make_node("Add", ["mm", "b"], ["y"]))
     else:
         nodes[-1].output[0] = "y"
-    return model_bytes(
-        nodes,
-        [value(a, np.float16, [t, k]), value("W", np.float16, w_shape)],
-        [value("y", np.float16, [t, n])],
-        inits,
-    )
+    return model_bytes(nodes, inputs, [value("y", np.float16, [t, n])])
 
 
 def fp16_static_weight(w_math: np.ndarray, t: int, bias: np.ndarray | None, direction: str) -> bytes:

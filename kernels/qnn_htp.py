@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,29 @@ def _session_options(ctx_out: Path | None) -> ort.SessionOptions:
         so.add_session_config_entry("ep.context_file_path", str(ctx_out))
         so.add_session_config_entry("ep.context_embed_mode", "1")
     return so
+
+
+_POOL: dict[str, ort.InferenceSession] = {}  # weight-free graphs -> one shared session per process
+_POOL_LOCK = threading.Lock()
+
+
+def pooled_session(model: bytes, cache_path: Path | None) -> tuple[ort.InferenceSession, str]:
+    """One session per distinct weight-free graph, shared by every layer of that shape (each QNN session costs
+    ~23 MB RSS, notes §6, so 200+ per-layer sessions would cost GBs)."""
+    key = hashlib.sha256(model).hexdigest()
+    with _POOL_LOCK:
+        sess = _POOL.get(key)
+        if sess is not None:
+            return sess, "shared"
+        sess, how = build_session(lambda: model, cache_path)
+        _POOL[key] = sess
+        return sess, how
+
+
+def clear_session_pool() -> None:
+    """Drop the shared sessions (frees their QNN memory once no frozen linear references them)."""
+    with _POOL_LOCK:
+        _POOL.clear()
 
 
 def build_session(make_model: Any, cache_path: Path | None) -> tuple[ort.InferenceSession, str]:
@@ -167,6 +191,8 @@ class QnnFrozenLinear:
             w16 = self._w.to(torch.float16)
             tall = w16 if self.out_features >= self.in_features else w16.t()
             self._host["W"] = np.ascontiguousarray(tall.numpy())
+            if self._bias is not None:
+                self._host["b"] = self._bias.to(torch.float16).numpy()
         if self._quantized_any():
             bits = {WEIGHT_BITS[p] for p in (self.precision_fwd, self.precision_bwd) if p != "fp16"}
             self._qw = {b: quantize_weight(self._w, b) for b in bits}
@@ -175,23 +201,28 @@ class QnnFrozenLinear:
         if self._cache_dir is None:
             return None
         p = self._precision(direction)
-        form = "dynamic" if self._dynamic(direction) else "static"
-        if not self._model_hash and form == "static":
-            return None  # the cache key must identify the weights; without a model hash we cannot name them
         soc, arch = _soc()
+        shape = f"{self.out_features}x{self.in_features}{'b' if self._bias is not None else ''}"
+        if self._dynamic(direction):
+            # Weight-free graph: one binary per shape, shared by every layer and model of that shape.
+            ident, label = "", f"shape{shape}"
+        elif self._model_hash:
+            ident, label = self._model_hash, re.sub(r"[^A-Za-z0-9_.-]", "_", self.name or "linear")[:80]
+        else:
+            return None  # a static graph embeds the weights; without a model hash the key cannot name them
+        form = "dynamic" if self._dynamic(direction) else "static"
         material = "|".join(
-            map(str, (_CACHE_VERSION, self._model_hash, self.name, p, direction, t, form, soc, arch,
-                      self.out_features, self.in_features, self._bias is not None, ort.__version__))
+            map(str, (_CACHE_VERSION, ident, self.name if ident else "", p, direction, t, form, soc, arch,
+                      shape, ort.__version__))
         )  # fmt: skip
         digest = hashlib.sha256(material.encode()).hexdigest()[:16]
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.name or "linear")[:80]
-        return self._cache_dir / f"{safe}-{p}-{direction}-T{t}-{form}-soc{soc}-{digest}_ctx.onnx"
+        return self._cache_dir / f"{label}-{p}-{direction}-T{t}-{form}-soc{soc}-{digest}_ctx.onnx"
 
     def _model(self, direction: str, t: int) -> bytes:
         p = self._precision(direction)
         bias = None if self._bias is None else self._bias.numpy()
         if self._dynamic(direction):
-            return fp16_dynamic_weight(self.out_features, self.in_features, t, bias, direction)
+            return fp16_dynamic_weight(self.out_features, self.in_features, t, bias is not None, direction)
         if p == "fp16":
             assert self._w is not None
             return fp16_static_weight(self._w.t().contiguous().numpy(), t, bias, direction)
@@ -213,7 +244,10 @@ class QnnFrozenLinear:
     def _session(self, direction: str, t: int) -> ort.InferenceSession:
         sess = self._sessions.get((direction, t))
         if sess is None:
-            sess, how = build_session(lambda: self._model(direction, t), self._key(direction, t))
+            if self._dynamic(direction):
+                sess, how = pooled_session(self._model(direction, t), self._key(direction, t))
+            else:
+                sess, how = build_session(lambda: self._model(direction, t), self._key(direction, t))
             self._sessions[(direction, t)] = sess
             self.sources[(direction, t)] = how
             if not self._dynamic(direction):
@@ -266,6 +300,8 @@ class QnnFrozenLinear:
             feeds: dict[str, Any] = {in_name: buf}
             if self._dynamic(direction):
                 feeds["W"] = self._host["W"]
+                if direction == "fwd" and "b" in self._host:
+                    feeds["b"] = self._host["b"]
             y = sess.run(None, feeds)[0][:rows]
             return torch.from_numpy(y.astype(np.float32))
         if direction == "bwd":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import platform
 
 import pytest
-
 from lorad.kernels import BACKENDS, BackendInfo, detect_backend
 
 
