@@ -13,6 +13,9 @@
 #   LORAD_TORCH_INDEX  index for torch, default https://download.pytorch.org/whl/cpu (no CUDA downloads)
 #   LORAD_QNN_SPEC     onnxruntime-qnn requirement, default "onnxruntime-qnn" (manylinux_2_34 aarch64 wheel)
 #   LORAD_NO_SERVICE   set to 1 to skip installing the runit services and the Termux:Boot script
+#
+# `install.sh --services-only` installs only the helper scripts, config, services and boot script into an existing
+# userland (after editing them, or to test the layout under a temporary PREFIX and HOME).
 set -euo pipefail
 
 DISTRO="${LORAD_DISTRO:-debian}"
@@ -143,6 +146,12 @@ services() {
 }
 
 main() {
+    if [ "${1:-}" = "--services-only" ]; then
+        [ -d "$ROOTFS" ] || die "no userland at $ROOTFS; run install.sh without --services-only first"
+        helpers
+        services
+        return 0
+    fi
     check_host
     termux_packages
     userland
