@@ -73,7 +73,9 @@ _POOL_LOCK = threading.Lock()
 def pooled_session(model: bytes, cache_path: Path | None) -> tuple[ort.InferenceSession, str]:
     """One session per distinct weight-free graph, shared by every layer of that shape (each QNN session costs
     ~23 MB RSS, notes §6, so 200+ per-layer sessions would cost GBs)."""
-    key = hashlib.sha256(model).hexdigest()
+    # The SoC options and the cache file are part of the key: a session compiled for another target, or one whose
+    # EP-context file lives in another cache directory, is not reused.
+    key = "|".join((hashlib.sha256(model).hexdigest(), *_soc(), str(cache_path)))
     with _POOL_LOCK:
         sess = _POOL.get(key)
         if sess is not None:
@@ -217,6 +219,10 @@ class QnnFrozenLinear:
         )  # fmt: skip
         digest = hashlib.sha256(material.encode()).hexdigest()[:16]
         return self._cache_dir / f"{label}-{p}-{direction}-T{t}-{form}-soc{soc}-{digest}_ctx.onnx"
+
+    def context_path(self, direction: str, bucket: int) -> Path | None:
+        """The EP-context cache file of one (direction, bucket) graph (None when nothing is cached)."""
+        return self._key(direction, bucket)
 
     def _model(self, direction: str, t: int) -> bytes:
         p = self._precision(direction)
