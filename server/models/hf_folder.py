@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import torch
 from lorad.server.models.config import ModelConfig
-from safetensors import safe_open
 from torch import Tensor
 
 
@@ -25,8 +28,67 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("adapter_"))
 
 
-def read_weights(path: Path) -> dict[str, Tensor]:
-    """All tensors of the folder's safetensors shards, HF names, as stored (dtype unchanged).
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsWeights(Mapping[str, Tensor]):
+    """Tensors of safetensors shards, each read from disk on access (pread, no mmap).
+
+    Every access returns a fresh tensor the caller owns, so building a model that converts/copies each weight
+    peaks at one extra tensor instead of keeping the whole file mapped (and counted in RSS) during the build.
+    """
+
+    def __init__(self, files: list[Path]) -> None:
+        self._index: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        for f in files:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))  # header length, little-endian u64
+                header = json.loads(fh.read(n))
+            for k, v in header.items():
+                if k != "__metadata__":
+                    s, e = v["data_offsets"]
+                    self._index[k] = (f, v["dtype"], tuple(v["shape"]), 8 + n + s, 8 + n + e)
+
+    def __getitem__(self, key: str) -> Tensor:
+        f, dtype, shape, start, end = self._index[key]
+        if end == start:
+            return torch.empty(shape, dtype=_DTYPES[dtype])
+        buf = bytearray(end - start)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                k = os.preadv(fd, [view[got:]], start + got)
+                if k <= 0:
+                    raise OSError(f"{f}: short read of {key!r} ({got}/{len(buf)} bytes)")
+                got += k
+        finally:
+            os.close(fd)
+        return torch.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def read_weights(path: Path) -> SafetensorsWeights:
+    """All tensors of the folder's safetensors shards by HF name, as stored (dtype unchanged), read lazily.
 
     Raises:
         FileNotFoundError: The folder has no safetensors file.
@@ -34,9 +96,4 @@ def read_weights(path: Path) -> dict[str, Tensor]:
     files = weight_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}; save the model with safe_serialization=True")
-    out: dict[str, Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                out[k] = sf.get_tensor(k)
-    return out
+    return SafetensorsWeights(files)

@@ -154,7 +154,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.lora_config = lora
-        self.register_buffer("embed_tokens", embed, persistent=False)  # [V, D] fp32, lookup on CPU
+        self.register_buffer("embed_tokens", embed, persistent=False)  # [V, D] fp32 (fp16 w/ quantized head), CPU
         self.layers = nn.ModuleList(layers)
         self.register_buffer("norm", norm, persistent=False)
         self.lm_head = lm_head  # rank-0 Linear on the kernel backend (tied to embed_tokens when cfg says so)
@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         """Final-norm hidden states [B, T, D] for input_ids [B, T] (appending to `cache` when given)."""
         start = cache.length if cache is not None else 0
         cos, sin = self._rope_tables(start, input_ids.shape[1])
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens).float()
         for i, blk in enumerate(self.layers):
             x = blk(x, cos, sin, cache, i, adapter)
         if cache is not None:
