@@ -13,7 +13,7 @@ import torch
 from lorad.server.training import checkpoint as ckpt
 from lorad.server.training.config import TrainConfig
 from lorad.server.training.data import PreparedData
-from lorad.server.training.optim import LayerwiseAdamW
+from lorad.server.training.optim import LayerwiseAdamW, StepStats
 from lorad.server.training.packing import BatchStream, eval_batches, target_count
 from lorad.server.training.schedule import lr_at
 from torch import nn
@@ -85,6 +85,8 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoint: Path | None = None
     step_times: list[float] = field(default_factory=list)
+    optim_times: list[float] = field(default_factory=list)  # s of AdamW work per step (overlapped or not)
+    optim_waits: list[float] = field(default_factory=list)  # s the step waited for the optimizer thread after backward
 
 
 class Trainer:
@@ -123,6 +125,7 @@ class Trainer:
             overlap=cfg.overlap_optimizer,
         )
         self.step = 0
+        self.last_stats = StepStats(0.0, 0, 0.0, 0.0)
         self.history = TrainResult(status="running", step=0)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -200,6 +203,7 @@ class Trainer:
             (loss * (n / total)).backward()
             loss_sum += float(loss.detach()) * n / total
         stats = self.optim.finish()
+        self.last_stats = stats
         self.step += 1
         return (loss_sum if total else float("nan")), lr, stats.grad_norm
 
@@ -240,6 +244,8 @@ class Trainer:
             dt = time.perf_counter() - t0
             res.losses.append(loss)
             res.step_times.append(dt)
+            res.optim_times.append(self.last_stats.optim_s)
+            res.optim_waits.append(self.last_stats.wait_s)
             ema = dt if ema is None else 0.8 * ema + 0.2 * dt
             ev = None
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:

@@ -1,0 +1,467 @@
+"""LoRA training benchmark: lorad (each backend + auto) vs Hugging Face PEFT fp32 / bf16 on SmolLM2-135M-Instruct.
+
+Every system trains the same adapter (same initial A/B, same packed batches, same AdamW + schedule + clipping) in its
+own subprocess so its peak RSS is its own. Reported per system: median steady-state tokens/s (warm-up steps
+skipped), peak RSS, RSS after model load, train loss at step K, held-out eval loss after K steps, and ratios to
+PEFT fp32 and PEFT bf16.
+
+    .venv/bin/python bench/train.py            # 30 steps per system
+    .venv/bin/python bench/train.py --quick    # 8 steps, for a smoke run
+    .venv/bin/python bench/train.py --json     # last stdout line: one JSON object
+    .venv/bin/python bench/train.py --worker lorad-ort-cpu-w8a8 --profile /tmp/prof.txt   # pyinstrument one system
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "BENCH_RESULT "
+SEQ_LEN, RANK, ALPHA, LR, WARMUP_LR, CLIP, SEED = 256, 8, 16.0, 2e-4, 3, 1.0, 1234
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (backend, precision, clip_mode, overlap). "global" clipping is what PEFT/HF Trainer do; with it the
+# optimizer cannot step before the whole backward is done, so the overlap study uses per-layer clipping.
+LORAD_SYSTEMS = {
+    "lorad-torch-fp32": ("torch", "fp32", "global", True),
+    "lorad-ort-cpu-fp32": ("ort-cpu", "fp32", "global", True),
+    "lorad-ort-cpu-w8a8": ("ort-cpu", "w8a8", "global", True),
+    "lorad-auto": ("auto", "auto", "global", True),
+}
+HTP_SYSTEMS = {"lorad-qnn-htp-fp16": ("qnn-htp", "fp16", "global", True)}
+OVERLAP_SYSTEMS = {
+    "lorad-auto-perlayer-overlap": ("auto", "auto", "per_layer", True),
+    "lorad-auto-perlayer-sequential": ("auto", "auto", "per_layer", False),
+}
+ALL_LORAD = LORAD_SYSTEMS | HTP_SYSTEMS | OVERLAP_SYSTEMS
+PEFT_SYSTEMS = ("peft-fp32", "peft-bf16")
+
+# -- deterministic, natural-looking corpus (no downloads) ---------------------------------------------------------
+_PEOPLE = ["Mara", "the old baker", "my neighbour", "Tomas", "the ferry captain", "a young teacher", "Ines", "Grandpa"]
+_PLACES = ["the harbour", "the market square", "a small kitchen", "the hill above town", "the library", "the garden"]
+_TIMES = ["every morning", "before dawn", "on rainy afternoons", "in late autumn", "after dinner", "on Sundays"]
+_ACTS = [
+    "bakes rye bread",
+    "repairs fishing nets",
+    "reads old letters",
+    "plants tomatoes",
+    "feeds the stray cats",
+    "writes down the tides",
+    "sweeps the steps",
+    "tunes a battered piano",
+]
+_FEEL = ["quietly", "with great care", "without hurry", "humming a tune", "as if nothing else mattered"]
+_WHY = [
+    "because the town expects it",
+    "since it keeps the hands busy",
+    "to remember someone who left",
+    "because the light is best then",
+    "for no reason anyone can name",
+]
+_QS = ["What does {p} do {t}?", "Where can I find {p} {t}?", "Why does {p} go to {pl}?", "Tell me about {p}."]
+
+
+def _sentence(r: random.Random) -> str:
+    p, t, a = r.choice(_PEOPLE), r.choice(_TIMES), r.choice(_ACTS)
+    forms = [
+        f"{t.capitalize()}, {p} {a} in {r.choice(_PLACES)}.",
+        f"{p.capitalize()} {a} {r.choice(_FEEL)}.",
+        f"In {r.choice(_PLACES)}, {p} {a} {r.choice(_WHY)}.",
+        f"Nobody knows why {p} {a} {t}.",
+    ]
+    return r.choice(forms)
+
+
+def corpus(n: int, seed: int = SEED) -> list[Any]:
+    """n samples: 3 in 4 are short text paragraphs, 1 in 4 a user/assistant exchange (loss on the answer only)."""
+    from lorad.server.training.data import ChatSample, Message, TextSample
+
+    r = random.Random(seed)
+    out: list[Any] = []
+    for i in range(n):
+        if i % 4 == 3:
+            q = r.choice(_QS).format(p=r.choice(_PEOPLE), t=r.choice(_TIMES), pl=r.choice(_PLACES))
+            a = " ".join(_sentence(r) for _ in range(r.randint(2, 4)))
+            out.append(ChatSample((Message("user", q), Message("assistant", a))))
+        else:
+            out.append(TextSample(" ".join(_sentence(r) for _ in range(r.randint(3, 7)))))
+    return out
+
+
+# -- shared pieces -----------------------------------------------------------------------------------------------
+def _rss_mb() -> tuple[float, float]:
+    """(current RSS, peak RSS) of this process in MiB."""
+    import psutil
+
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return psutil.Process().memory_info().rss / 2**20, peak_kb / 1024
+
+
+def _train_cfg(steps: int, backend: str, precision: str, clip_mode: str = "global", overlap: bool = True) -> Any:
+    from lorad.server.training.config import TrainConfig
+
+    return TrainConfig(
+        rank=RANK,
+        alpha=ALPHA,
+        dropout=0.0,
+        lr=LR,
+        steps=steps,
+        batch_size=1,
+        seq_len=SEQ_LEN,
+        grad_accum=1,
+        warmup_steps=WARMUP_LR,
+        schedule="cosine",
+        weight_decay=0.0,
+        max_grad_norm=CLIP,
+        clip_mode=clip_mode,
+        overlap_optimizer=overlap,
+        eval_fraction=0.1,
+        eval_batches=4,
+        seed=SEED,
+        backend=backend,
+        precision=precision,
+    )
+
+
+def _data(model_dir: Path, cfg: Any) -> Any:
+    from lorad.server.models.tokenizer import ChatTokenizer
+    from lorad.server.training.data import prepare
+
+    tok = ChatTokenizer.from_dir(model_dir)
+    return prepare(corpus(600), tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction), tok
+
+
+def make_init_adapter(model_dir: Path, out: Path) -> None:
+    """PEFT-style initial adapter (A kaiming-uniform(a=√5) = U(±1/√in), B = 0) from a fixed seed, shared by all."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    d, f, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim") or 64
+    kv = cfg["num_key_value_heads"] * hd
+    shapes = {
+        "self_attn.q_proj": (cfg["num_attention_heads"] * hd, d),
+        "self_attn.k_proj": (kv, d),
+        "self_attn.v_proj": (kv, d),
+        "self_attn.o_proj": (d, cfg["num_attention_heads"] * hd),
+        "mlp.gate_proj": (f, d),
+        "mlp.up_proj": (f, d),
+        "mlp.down_proj": (d, f),
+    }
+    g = torch.Generator().manual_seed(SEED)
+    sd = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, (o, n_in) in shapes.items():
+            key = f"base_model.model.model.layers.{i}.{name}"
+            sd[f"{key}.lora_A.weight"] = (torch.rand(RANK, n_in, generator=g) * 2 - 1) / math.sqrt(n_in)
+            sd[f"{key}.lora_B.weight"] = torch.zeros(o, RANK)
+    save_file(sd, str(out))
+
+
+def _summary(
+    times: list[float], cpu: list[float], losses: list[float], eval_loss: float | None, warmup: int, extra: dict
+) -> dict:
+    steady = times[warmup:] or times
+    steady_cpu = cpu[warmup:] or cpu
+    rss, peak = _rss_mb()
+    return {
+        "tokens_per_s": SEQ_LEN / statistics.median(steady),
+        "step_s_median": statistics.median(steady),
+        # CPU seconds of this process per step: less sensitive than wall time to other load on a shared host.
+        "tokens_per_cpu_s": SEQ_LEN / statistics.median(steady_cpu),
+        "cpu_s_median": statistics.median(steady_cpu),
+        "loss_at_k": losses[-1],
+        "loss_last5": statistics.fmean(losses[-5:]),
+        "eval_loss": eval_loss,
+        "peak_rss_mb": peak,
+        "rss_end_mb": rss,
+        "losses": losses,
+        "step_s": times,
+        **extra,
+    }
+
+
+# -- workers -----------------------------------------------------------------------------------------------------
+def worker_lorad(system: str, a: argparse.Namespace) -> dict:
+    from lorad.server.models import LoraConfig
+    from lorad.server.models.loader import load_model
+    from lorad.server.training.recipe import resolve_precision, seed_everything
+    from lorad.server.training.trainer import Trainer
+    from safetensors.torch import load_file
+
+    backend, precision, clip_mode, overlap = ALL_LORAD[system]
+    if backend == "auto":
+        from lorad.kernels import detect_backend
+
+        info = detect_backend("auto")
+        backend, precision, reason = info.name, resolve_precision("auto", info.name), info.reason
+    else:
+        reason = "fixed"
+    cfg = _train_cfg(a.steps, backend, precision, clip_mode, overlap)
+    seed_everything(SEED)
+    t0 = time.perf_counter()
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.0)
+    loaded = load_model(None, cache_root=Path(a.cache), backend=backend, precision=precision, lora=lora)
+    loaded.model.load_lora_state_dict(load_file(a.init))
+    load_s = time.perf_counter() - t0
+    rss_load, peak_load = _rss_mb()
+    data, tok = _data(loaded.checkpoint.path, cfg)
+    trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id or 0)
+    prof = None
+    if a.profile:
+        from pyinstrument import Profiler
+
+        for _ in range(a.warmup):  # profile steady state only
+            trainer.train_step()
+        prof = Profiler(interval=0.005)
+        prof.start()
+    cpu: list[float] = []
+    last = [time.process_time()]
+
+    def on_progress(_p: Any) -> None:
+        now = time.process_time()
+        cpu.append(now - last[0])
+        last[0] = now
+
+    trainer.on_progress = on_progress
+    res = trainer.run()
+    if prof is not None:
+        prof.stop()
+        Path(a.profile).write_text(prof.output_text(unicode=True, color=False, show_all=False))
+    losses = res.losses
+    pad = [0.0] * (a.warmup if a.profile else 0)
+    times, cpu = pad + res.step_times, pad + cpu
+    ev = res.eval_losses[-1][1] if res.eval_losses else None
+    trainer.close()
+    return _summary(
+        times,
+        cpu,
+        losses,
+        ev,
+        a.warmup,
+        {
+            "backend": backend,
+            "precision": precision,
+            "reason": reason,
+            "load_s": load_s,
+            "rss_after_load_mb": rss_load,
+            "peak_rss_after_load_mb": peak_load,
+            "clip_mode": clip_mode,
+            "overlap": overlap,
+            "optim_ms_median": 1e3 * statistics.median(res.optim_times),
+            "optim_wait_ms_median": 1e3 * statistics.median(res.optim_waits),
+        },
+    )
+
+
+def worker_peft(system: str, a: argparse.Namespace) -> dict:
+    import peft
+    import torch
+    import transformers as tf
+    from lorad.server.models.loader import resolve
+    from lorad.server.training.packing import BatchStream, eval_batches
+    from lorad.server.training.recipe import seed_everything
+    from lorad.server.training.schedule import lr_at
+    from safetensors.torch import load_file
+
+    cfg = _train_cfg(a.steps, "torch", "fp32")
+    seed_everything(SEED)
+    t0 = time.perf_counter()
+    model_dir = resolve(None, Path(a.cache)).path
+    base = tf.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    base.config.use_cache = False
+    pcfg = peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS, bias="none", task_type="CAUSAL_LM"
+    )
+    model = peft.get_peft_model(base, pcfg)
+    res = peft.set_peft_model_state_dict(model, load_file(a.init))
+    assert not res.unexpected_keys, res.unexpected_keys[:3]
+    load_s = time.perf_counter() - t0
+    rss_load, peak_load = _rss_mb()
+    data, tok = _data(model_dir, cfg)
+    stream = BatchStream(data.train, seq_len=SEQ_LEN, batch_size=1, seed=SEED, pad_id=tok.eos_id or 0)
+    held = eval_batches(data.eval, seq_len=SEQ_LEN, batch_size=1, pad_id=tok.eos_id or 0, max_batches=4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0)
+    bf16 = system == "peft-bf16"
+    model.train()
+    times, cpu, losses = [], [], []
+    for step in range(a.steps):
+        t, c = time.perf_counter(), time.process_time()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr=LR, steps=a.steps, warmup_steps=WARMUP_LR, schedule="cosine")
+        x, y = stream.next_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    model.eval()
+    num = den = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for x, y in held:
+            n = int((y[:, 1:] != -100).sum())
+            num += float(model(input_ids=x, labels=y).loss) * n
+            den += n
+    return _summary(
+        times,
+        cpu,
+        losses,
+        num / den,
+        a.warmup,
+        {
+            "backend": "transformers+peft",
+            "precision": "bf16-autocast" if bf16 else "fp32",
+            "load_s": load_s,
+            "rss_after_load_mb": rss_load,
+            "peak_rss_after_load_mb": peak_load,
+        },
+    )
+
+
+def run_worker(a: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    out = worker_peft(a.worker, a) if a.worker in PEFT_SYSTEMS else worker_lorad(a.worker, a)
+    out["torch_threads"] = torch.get_num_threads()
+    print(MARK + json.dumps(out), flush=True)
+
+
+# -- driver ------------------------------------------------------------------------------------------------------
+def _spawn(system: str, a: argparse.Namespace, init: Path) -> dict:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        system,
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--cache",
+        a.cache,
+        "--init",
+        str(init),
+        "--threads",
+        str(a.threads),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=a.timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout)[-1500:]
+        return {"system": system, "error": f"exit {p.returncode}: {tail}"}
+    r = json.loads(lines[-1][len(MARK) :])
+    r["system"], r["wall_s"] = system, time.perf_counter() - t0
+    return r
+
+
+def _table(rows: list[dict]) -> str:
+    ref = {r["system"]: r for r in rows if "error" not in r}
+    f32, b16 = ref.get("peft-fp32"), ref.get("peft-bf16")
+    head = (
+        f"{'system':30} {'backend/prec':22} {'tok/s':>7} {'×fp32':>6} {'×bf16':>6} {'tok/cpu-s':>9} {'peakRSS':>8} "
+        f"{'RSSxfp32':>8} {'RSSload':>8} {'loss@K':>7} {'eval':>7} {'Δeval%':>7} {'optim ms':>8}"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['system']:30} ERROR {r['error'][:200]!r}")
+            continue
+        x32 = r["tokens_per_s"] / f32["tokens_per_s"] if f32 else float("nan")
+        x16 = r["tokens_per_s"] / b16["tokens_per_s"] if b16 else float("nan")
+        rss = r["peak_rss_mb"] / f32["peak_rss_mb"] if f32 else float("nan")
+        dev = 100 * (r["eval_loss"] / f32["eval_loss"] - 1) if f32 and r.get("eval_loss") else float("nan")
+        r.update(x_peft_fp32=x32, x_peft_bf16=x16, rss_x_peft_fp32=rss, eval_dev_pct=dev)
+        optim = f"{r['optim_ms_median']:8.1f}" if "optim_ms_median" in r else f"{'-':>8}"
+        out.append(
+            f"{r['system']:30} {r['backend'] + '/' + r['precision']:22} {r['tokens_per_s']:7.1f} {x32:6.2f} "
+            f"{x16:6.2f} {r['tokens_per_cpu_s']:9.1f} {r['peak_rss_mb']:7.0f}M {rss:8.2f} "
+            f"{r['rss_after_load_mb']:7.0f}M {r['loss_at_k']:7.4f} {r['eval_loss']:7.4f} {dev:+7.2f} {optim}"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 steps per system instead of 30")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    ap.add_argument("--steps", type=int, default=None, help="steps per system (K); default 30, 8 with --quick")
+    ap.add_argument("--warmup", type=int, default=None, help="steps excluded from the median (default 3, 2 quick)")
+    ap.add_argument("--systems", default=None, help="comma-separated subset of systems")
+    ap.add_argument("--htp", action="store_true", help="also run the QNN HTP backend (the x86 simulator is slow)")
+    ap.add_argument(
+        "--overlap-study",
+        action="store_true",
+        help="also run lorad-auto with per-layer clipping, optimizer overlapped vs sequential",
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch/OMP threads per system")
+    ap.add_argument("--cache", default=str(ROOT / ".cache" / "lorad"), help="model conversion cache")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per system")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--init", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", default=None, help="with --worker: write a pyinstrument report of the steps here")
+    a = ap.parse_args()
+    a.steps = a.steps or (8 if a.quick else 30)
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
+    if a.worker:
+        if not a.init:
+            a.init = str(Path(a.cache) / "bench-init-adapter.safetensors")
+        run_worker(a)
+        return
+    from lorad.server.models.loader import resolve
+
+    t0 = time.perf_counter()
+    model_dir = resolve(None, Path(a.cache)).path  # converts the bundled GGUF once (cached afterwards)
+    init = Path(a.cache) / "bench-init-adapter.safetensors"
+    make_init_adapter(model_dir, init)
+    systems = [
+        *LORAD_SYSTEMS,
+        *(HTP_SYSTEMS if a.htp else {}),
+        *(OVERLAP_SYSTEMS if a.overlap_study else {}),
+        *PEFT_SYSTEMS,
+    ]
+    if a.systems:
+        systems = [s for s in a.systems.split(",") if s]
+    rows = []
+    for s in systems:
+        print(f"# running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
+        rows.append(_spawn(s, a, init))
+        r = rows[-1]
+        msg = r.get("error") or f"{r['tokens_per_s']:.1f} tok/s, peak {r['peak_rss_mb']:.0f} MiB, {r['wall_s']:.0f}s"
+        print(f"#   {s}: {msg}", file=sys.stderr, flush=True)
+    table = _table(rows)
+    print(
+        f"SmolLM2-135M-Instruct, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on q,k,v,o,gate,up,down, "
+        f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, total {time.perf_counter() - t0:.0f}s"
+    )
+    print(table)
+    if a.json:
+        slim = [
+            {k: v for k, v in r.items() if k not in ("losses", "step_s")} | {"losses": r.get("losses")} for r in rows
+        ]
+        print(
+            json.dumps(
+                {"steps": a.steps, "warmup": a.warmup, "seq_len": SEQ_LEN, "threads": a.threads, "systems": slim}
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
