@@ -23,9 +23,7 @@ def describe_wait(job: Job) -> str:
     """Why a job is not running, in words, e.g. "waiting: not charging (charger disconnected)"."""
     if job.blocked_reason is BlockedReason.NONE:
         return job.state.value
-    reason = job.blocked_reason.value.replace("_", " ")
-    detail = f" ({job.blocked_detail})" if job.blocked_detail else ""
-    return f"{job.state.value}: {reason}{detail}"
+    return f"{job.state.value}: {job.blocked_detail or job.blocked_reason.value.replace('_', ' ')}"
 
 
 def stats_text(job: Job) -> str:
@@ -74,17 +72,19 @@ class ProgressView:
         if ev.kind is JobEventKind.NOTICE and ev.message:
             self._line(f"{job.job_id} notice: {ev.message}")
         elif changed:
-            msg = f" — {ev.message}" if ev.message else ""
-            self._line(f"{job.job_id} {describe_wait(job)}{msg}")
+            text = describe_wait(job)
+            msg = f" — {ev.message}" if ev.message and ev.message not in text and text not in ev.message else ""
+            self._line(f"{job.job_id} {text}{msg}")
         error = ev.error or job.error
         if job.state is JobState.FAILED and error is not None:
             self._line(f"{job.job_id} failed: {error.code}: {error.message}")
             return
         if self.tty:
             self._redraw(job)
-        elif ev.kind in (JobEventKind.PROGRESS, JobEventKind.EVAL, JobEventKind.CHECKPOINT):
-            extra = " checkpoint written" if ev.kind is JobEventKind.CHECKPOINT else ""
-            print(f"{job.job_id} {stats_text(job)}{extra}", file=self.out, flush=True)
+        elif ev.kind is JobEventKind.CHECKPOINT:
+            print(f"{job.job_id} checkpoint at step {job.progress.step}", file=self.out, flush=True)
+        elif ev.kind in (JobEventKind.PROGRESS, JobEventKind.EVAL):
+            print(f"{job.job_id} {stats_text(job)}", file=self.out, flush=True)
 
     def _redraw(self, job: Job) -> None:
         p = job.progress
