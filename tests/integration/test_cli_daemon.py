@@ -1,0 +1,79 @@
+"""The `lorad` CLI in subprocesses against the REAL daemon (in-process, temp data dir, tiny random Llama)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def lorad(tmp: Path, h: Any, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    env.update(HOME=str(tmp), LORAD_CLIENT_CONFIG=str(tmp / "client.toml"), LORAD_STORAGE_DATA_DIR=str(h.data_dir))
+    return subprocess.run(
+        [sys.executable, "-m", "lorad.client.cli", *argv],
+        check=False, input=stdin, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+
+
+def test_cli_session_against_real_daemon(make_daemon: Any, tmp_path: Path) -> None:
+    h = make_daemon()
+    # The socket and the owner token are both found from LORAD_STORAGE_DATA_DIR alone.
+    r = lorad(tmp_path, h, "app", "register", "notes", "--save")
+    assert r.returncode == 0, r.stderr
+    assert "saved to" in r.stdout
+    r = lorad(tmp_path, h, "app", "list", "--json")
+    assert [a["app_id"] for a in json.loads(r.stdout)] == ["notes"]
+
+    data = tmp_path / "notes.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": f"A{i}."}]}
+             for i in range(10)] + [{"text": f"A note about day {i}."} for i in range(6)]  # fmt: skip
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = lorad(tmp_path, h, "data", "add", "diary", str(data), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["accepted_count"] == 16
+    r = lorad(tmp_path, h, "data", "add", "diary", stdin='{"messages": [{"role": "nobody", "content": "x"}]}\n')
+    assert r.returncode == 4 and "<stdin>:1" in r.stderr
+
+    r = lorad(tmp_path, h, "train", "diary", "--steps", "4", "--seq-len", "64", "--batch-size", "2", "--rank", "4",
+              "--eval-every", "2", "--eval-fraction", "0.3", "--watch", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    updates = [json.loads(x) for x in r.stdout.splitlines()]
+    job = updates[-1]["job"]
+    assert job["state"] == "succeeded" and job["progress"]["step"] == 4 and job["adapter_id"]
+    assert any(u["event"]["kind"] == "progress" for u in updates)
+
+    r = lorad(tmp_path, h, "watch", job["job_id"])
+    assert r.returncode == 0 and "succeeded" in r.stdout and "\x1b" not in r.stdout
+    r = lorad(tmp_path, h, "jobs", "show", job["job_id"], "--json")
+    assert json.loads(r.stdout)["job"]["job_id"] == job["job_id"]
+    assert lorad(tmp_path, h, "jobs", "pause", job["job_id"]).returncode == 7
+    assert lorad(tmp_path, h, "jobs", "show", "job_nope").returncode == 3
+
+    r = lorad(tmp_path, h, "adapters", "list", "--json")
+    assert [a["adapter_id"] for a in json.loads(r.stdout)] == [job["adapter_id"]]
+    r = lorad(tmp_path, h, "adapters", "pull", job["job_id"], "-o", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    pulled = json.loads(r.stdout)
+    assert hashlib.sha256(Path(pulled["path"]).read_bytes()).hexdigest() == pulled["sha256"]
+
+    r = lorad(tmp_path, h, "generate", "Q3?", "--adapter", job["adapter_id"], "--max-tokens", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_count"] <= 6
+    r = lorad(tmp_path, h, "status", "--json")
+    s = json.loads(r.stdout)
+    assert s["readings"]["charging"] is True and s["can_train"] is True
+    assert "training  allowed now" in lorad(tmp_path, h, "status").stdout
+
+    r = lorad(tmp_path, h, "app", "revoke", "notes")
+    assert r.returncode == 0
+    r = lorad(tmp_path, h, "data", "list")
+    assert r.returncode == 5  # the saved token was revoked
