@@ -63,7 +63,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
     if factory is None:
         from lorad.server.jobs.engine import engine_factory
 
-        factory = engine_factory(models, cache_root, cfg.training.backend)
+        factory = engine_factory(models, cache_root, cfg.training.backend, cfg.training.torch_threads)
     c = cfg.conditions
     monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
     runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints)

@@ -140,6 +140,11 @@ class EngineSession:
         return SessionOutcome(completed=True, adapter=art)
 
 
-def engine_factory(models: ModelHost, cache_root: Path, backend_override: str) -> Callable[[SessionRequest], EngineSession]:
-    """The SessionFactory the daemon uses."""
+def engine_factory(models: ModelHost, cache_root: Path, backend_override: str,
+                   torch_threads: int = 0) -> Callable[[SessionRequest], EngineSession]:  # fmt: skip
+    """The SessionFactory the daemon uses; ``torch_threads`` > 0 caps torch's intra-op threads (process-wide)."""
+    if torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     return lambda req: EngineSession(req, models, cache_root, backend_override)

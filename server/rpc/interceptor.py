@@ -11,8 +11,9 @@ import grpc
 import structlog
 from grpc import aio
 from lorad.server.auth import Authenticator, Principal
-from lorad.server.errors import LoradError, Unauthenticated, Unavailable
+from lorad.server.errors import InvalidArgument, LoradError, Unauthenticated, Unavailable
 from lorad.server.rpc.errors import status_for, trailing_metadata
+from lorad.server.rpc.wire import Undecodable, bad_utf8_path, lenient
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +70,26 @@ class AuthInterceptor(aio.ServerInterceptor):
         return PRINCIPAL.set(p)
 
 
+def _checked(request: Any) -> Any:
+    """The request, or InvalidArgument naming the field that is not UTF-8."""
+    if isinstance(request, Undecodable):
+        path = bad_utf8_path(request.raw, request.descriptor)
+        if path:
+            raise InvalidArgument(path, "not valid UTF-8")
+        raise InvalidArgument("request", "malformed protobuf message")
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for r in requests:
+        yield _checked(r)
+
+
 def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.RpcMethodHandler:
+    deser = h.request_deserializer
+    desc = getattr(getattr(deser, "__self__", None), "DESCRIPTOR", None)
+    deser = lenient(deser, desc)
+    streaming_in = h.request_streaming
     if h.unary_unary or h.stream_unary:
         inner = h.unary_unary or h.stream_unary
 
@@ -79,6 +99,7 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
             except LoradError as exc:
                 await _fail(context, method, exc)
             try:
+                request = _checked_stream(request) if streaming_in else _checked(request)
                 return await inner(request, context)
             except LoradError as exc:
                 await _fail(context, method, exc)
@@ -86,7 +107,7 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
                 PRINCIPAL.reset(token)
 
         make = grpc.unary_unary_rpc_method_handler if h.unary_unary else grpc.stream_unary_rpc_method_handler
-        return make(unary, request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
+        return make(unary, request_deserializer=deser, response_serializer=h.response_serializer)
 
     inner_s = h.unary_stream or h.stream_stream
 
@@ -96,6 +117,7 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
         except LoradError as exc:
             await _fail(context, method, exc)
         try:
+            request = _checked_stream(request) if streaming_in else _checked(request)
             async for item in inner_s(request, context):
                 yield item
         except LoradError as exc:
@@ -104,7 +126,7 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
             PRINCIPAL.reset(token)
 
     make_s = grpc.unary_stream_rpc_method_handler if h.unary_stream else grpc.stream_stream_rpc_method_handler
-    return make_s(streaming, request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
+    return make_s(streaming, request_deserializer=deser, response_serializer=h.response_serializer)
 
 
 __all__ = ["AuthInterceptor", "Unauthenticated", "principal"]

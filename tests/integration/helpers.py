@@ -10,6 +10,7 @@ import grpc
 
 from lorad.v1 import common_pb2, data_pb2, jobs_pb2
 
+GOOD_PROBE = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}
 FINAL = {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
 
 

