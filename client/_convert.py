@@ -37,7 +37,8 @@ class _EnumMap:
         # A value added by a newer daemon reads as "unspecified" rather than failing the whole call.
         return self._to_py.get(number, self._unspecified)
 
-    def pb(self, member: enum.Enum | None) -> int:
+    def pb(self, member: enum.Enum | None) -> Any:
+        # Any: the generated stubs type enum fields as their NewType ValueType, which a plain int satisfies at runtime.
         return 0 if member is None else self._to_pb[member]
 
 

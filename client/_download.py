@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import os
 import re
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from lorad.client.errors import IntegrityError
+import grpc
+from lorad.client.errors import IntegrityError, InvalidArgument, LoradError, Unavailable
+from lorad.client.retry import RetryPolicy
 from lorad.client.types import AdapterFormat, DownloadResult
+
+log = logging.getLogger(__name__)
+ProgressCallback = Callable[[int, int], None]
 
 _HASH_BLOCK = 1 << 20  # bytes read at a time when re-hashing an existing .part file
 
@@ -121,3 +129,62 @@ class PartFile:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+async def resumable_download(
+    open_stream: Callable[[int], AsyncIterator[Any]],
+    part: PartFile,
+    fmt: AdapterFormat,
+    retry: RetryPolicy,
+    map_error: Callable[[grpc.RpcError], LoradError],
+    *,
+    on_progress: ProgressCallback | None = None,
+) -> DownloadResult:
+    """Streams DownloadAdapter responses into `part` from its current size until the file is complete and verified.
+
+    A broken or short stream is reopened at the received offset (with backoff; attempts reset on progress). A .part
+    file that turns out stale (digest mismatch or an offset the daemon rejects) is discarded and the download
+    restarted once; a fresh download that fails verification is discarded and raised.
+
+    Args:
+        open_stream: Opens the DownloadAdapter stream at a byte offset.
+        part: Where the bytes go.
+        fmt: The format asked for (recorded in the result).
+        retry: Backoff policy for UNAVAILABLE.
+        map_error: Converts a gRPC error into the SDK's typed error.
+        on_progress: Called with (bytes received, total bytes) after each chunk.
+    """
+    resumed_from = part.existing_size()
+    failures, restarted = 0, False
+    while True:
+        offset = part.existing_size()
+        try:
+            async for msg in open_stream(offset):
+                if msg.WhichOneof("payload") == "header":
+                    part.begin(msg.header.total_size_bytes, msg.header.sha256)
+                else:
+                    part.write(msg.offset, msg.chunk)
+                    failures = 0
+                    if on_progress is not None:
+                        on_progress(part.size, part.total)
+            return part.finish(fmt, resumed_from)
+        except grpc.RpcError as exc:
+            err: LoradError = map_error(exc)
+        except IncompleteDownloadError as exc:
+            err = Unavailable(str(exc))  # a stream that ended early is resumed like a broken one
+        except IntegrityError as exc:
+            err = exc
+        finally:
+            part.close()
+        if isinstance(err, IntegrityError | InvalidArgument) and offset > 0 and not restarted:
+            # The .part file belongs to another version of the file (or is corrupt): start over once.
+            log.info("download_restart file=%s reason=%s", part.final.name, type(err).__name__)
+            part.discard()
+            restarted, resumed_from = True, 0
+            continue
+        if isinstance(err, IntegrityError):
+            part.discard()
+        if not isinstance(err, Unavailable) or failures + 1 >= retry.max_attempts:
+            raise err
+        await asyncio.sleep(retry.delay(failures))
+        failures += 1

@@ -16,12 +16,11 @@ from lorad.client import _convert as conv
 from lorad.client import _requests as rq
 from lorad.client import config as cfg
 from lorad.client import types as t
-from lorad.client._download import IncompleteDownloadError, PartFile, safe_filename
+from lorad.client._download import PartFile, ProgressCallback, resumable_download, safe_filename
 from lorad.client.errors import (
     AlreadyExists,
     FailedPrecondition,
     IntegrityError,
-    InvalidArgument,
     LoradError,
     Unauthenticated,
     Unavailable,
@@ -49,7 +48,6 @@ MAX_SEND_BYTES = 17 * 1024 * 1024  # AppendSamples allows 16 MiB per request
 
 JobRef = t.Job | str
 AdapterRef = t.Adapter | t.Job | str
-ProgressCallback = Callable[[int, int], None]
 
 
 def _job_id(job: JobRef) -> str:
@@ -276,7 +274,7 @@ class AsyncClient:
 
     async def list_jobs(self, states: Iterable[t.JobState] = ()) -> list[t.Job]:
         """Lists the app's jobs, newest first, optionally only in `states`."""
-        wanted = [conv.JOB_STATE.pb(s) for s in states]
+        wanted: list[Any] = [conv.JOB_STATE.pb(s) for s in states]
         pb = await self._pages(
             "ListJobs", self._jobs.ListJobs, lambda tok: jobs_pb2.ListJobsRequest(page_token=tok, states=wanted), "jobs"
         )
@@ -445,45 +443,14 @@ class AsyncClient:
             dest = dest / safe_filename(header.filename, f"{adapter_id}.{fmt.value}")
         if dest.exists() and not overwrite:
             raise AlreadyExists(f"{dest} already exists; choose another path or pass overwrite=True (CLI: --force)")
+        req = adapters_pb2.DownloadAdapterRequest(adapter_id=adapter_id, format=conv.ADAPTER_FORMAT.pb(fmt))
+
+        def open_stream(offset: int) -> AsyncIterator[Any]:
+            req.read_offset = offset
+            return self._adapters.DownloadAdapter(req, metadata=self._metadata)
+
         part = PartFile(dest)
-        resumed_from = part.existing_size()
-        failures, restarted = 0, False
-        while True:
-            offset = part.existing_size()
-            req = adapters_pb2.DownloadAdapterRequest(
-                adapter_id=adapter_id, format=conv.ADAPTER_FORMAT.pb(fmt), read_offset=offset
-            )
-            try:
-                async for msg in self._adapters.DownloadAdapter(req, metadata=self._metadata):
-                    if msg.WhichOneof("payload") == "header":
-                        part.begin(msg.header.total_size_bytes, msg.header.sha256)
-                    else:
-                        part.write(msg.offset, msg.chunk)
-                        failures = 0
-                        if on_progress is not None:
-                            on_progress(part.size, part.total)
-                return part.finish(fmt, resumed_from)
-            except grpc.RpcError as exc:
-                err: LoradError = self._error(exc)
-            except IncompleteDownloadError as exc:
-                err = Unavailable(str(exc))  # a stream that ended early is resumed like a broken one
-            except IntegrityError as exc:
-                err = exc
-            finally:
-                part.close()
-            stale = isinstance(err, IntegrityError | InvalidArgument) and offset > 0
-            if stale and not restarted:
-                # The .part file belongs to another version of the file (or is corrupt): start over once.
-                log.info("download_restart adapter_id=%s reason=%s", adapter_id, type(err).__name__)
-                part.discard()
-                restarted, resumed_from = True, 0
-                continue
-            if isinstance(err, IntegrityError) and not isinstance(err, IncompleteDownloadError):
-                part.discard()
-            if not isinstance(err, Unavailable) or failures + 1 >= self.retry.max_attempts:
-                raise err
-            await asyncio.sleep(self.retry.delay(failures))
-            failures += 1
+        return await resumable_download(open_stream, part, fmt, self.retry, self._error, on_progress=on_progress)
 
     async def _download_header(self, adapter_id: str, fmt: t.AdapterFormat) -> adapters_pb2.DownloadHeader:
         req = adapters_pb2.DownloadAdapterRequest(adapter_id=adapter_id, format=conv.ADAPTER_FORMAT.pb(fmt))

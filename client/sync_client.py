@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequen
 from typing import Any, TypeVar
 
 from lorad.client import types as t
-from lorad.client.async_client import AdapterRef, AsyncClient, JobRef, ProgressCallback
+from lorad.client._download import ProgressCallback
+from lorad.client.async_client import AdapterRef, AsyncClient, JobRef
 from lorad.client.config import ClientSettings, read_owner_token
 from lorad.client.retry import RetryPolicy
 

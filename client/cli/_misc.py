@@ -250,4 +250,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    return int(serve_main(list(args.daemon_args)) or 0)
+    argv = list(args.daemon_args)
+    if opt(args, "data_dir") and "--data-dir" not in argv:  # `lorad --data-dir X serve` means the same
+        argv = ["--data-dir", str(opt(args, "data_dir")), *argv]
+    return int(serve_main(argv) or 0)

@@ -16,8 +16,8 @@ from types import TracebackType
 from lorad.client.errors import Unavailable
 
 # What a phone on its charger at night reports; the demo starts unplugged to show the gate.
-PLUGGED_IN = {"battery_percent": 92, "charging": True, "temperature_celsius": 31.5, "idle": True}
-UNPLUGGED = {"battery_percent": 38, "charging": False, "temperature_celsius": 31.5, "idle": True}
+PLUGGED_IN: dict[str, object] = {"battery_percent": 92, "charging": True, "temperature_celsius": 31.5, "idle": True}
+UNPLUGGED: dict[str, object] = {"battery_percent": 38, "charging": False, "temperature_celsius": 31.5, "idle": True}
 
 
 def write_probe(path: Path, readings: dict[str, object]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import sys
 import textwrap
 import time
@@ -38,8 +39,8 @@ class DemoSettings:
 
     steps: int = 60
     seq_len: int = 128
-    batch_size: int = 4
-    learning_rate: float = 2e-3
+    batch_size: int = 2
+    learning_rate: float = 1e-3
     rank: int = 16
     precision: Precision = Precision.FP32
     max_tokens: int = 40
@@ -69,12 +70,18 @@ class DemoResult:
     adapter_path: str
     adapter_sha256: str
     seconds: float
+    eval_curve: tuple[tuple[int, float], ...] = ()
 
     @property
     def hits(self) -> tuple[int, int]:
         """Answers mentioning the expected fact: (base, adapter)."""
         base = sum(mentions_fact(a.base, a.question) for a in self.answers)
         return base, sum(mentions_fact(a.tuned, a.question) for a in self.answers)
+
+
+def _loss(value: float | None) -> float | None:
+    # The daemon reports NaN for a loss it did not measure.
+    return None if value is None or math.isnan(value) else value
 
 
 def next_window(now: dt.datetime, lead_seconds: int) -> TrainingWindow:
@@ -155,7 +162,7 @@ class Demo:
             questions = load_questions()
             self.say(f"asking the base model {len(questions)} questions about {PERSONA} while the job waits")
             base = ask(c, questions, None, self.s.max_tokens)
-            job = self._watch(c, job, lambda: write_probe(daemon.probe_file, PLUGGED_IN))
+            job, curve = self._watch(c, job, lambda: write_probe(daemon.probe_file, PLUGGED_IN))
             if job.state is not JobState.SUCCEEDED:
                 err = f": {job.error.code}: {job.error.message}" if job.error else ""
                 raise LoradError(f"the demo job ended {job.state.value}{err}")
@@ -165,21 +172,26 @@ class Demo:
             tuned = ask(c, questions, job.adapter_id, self.s.max_tokens)
             adapter = c.get_adapter(job.adapter_id)
         answers = tuple(Answer(q, b, t) for q, b, t in zip(questions, base, tuned, strict=True))
+        before = _loss(adapter.eval_loss_before) or _loss(job.progress.eval_loss_before)
+        after = _loss(adapter.eval_loss_after) or _loss(job.progress.eval_loss)
         result = DemoResult(
-            job, answers, adapter.eval_loss_before, adapter.eval_loss_after, dl.path, dl.sha256,
-            time.monotonic() - self.t0,
+            job, answers, before, after, dl.path, dl.sha256, time.monotonic() - self.t0, tuple(curve),
         )  # fmt: skip
         self.report(result)
         return result
 
-    def _watch(self, c: Client, job: Job, plug_in: Callable[[], None]) -> Job:
+    def _watch(self, c: Client, job: Job, plug_in: Callable[[], None]) -> tuple[Job, list[tuple[int, float]]]:
         view = ProgressView(self.out)
         plugged = False
         last = job
+        curve: list[tuple[int, float]] = []
         try:
             for u in c.watch(job):
                 view.update(u)
                 last = u.job
+                ev = u.event.progress.eval_loss
+                if ev is not None and (not curve or curve[-1][1] != ev):
+                    curve.append((u.event.progress.step, ev))
                 if not plugged and u.event.blocked_reason is BlockedReason.NOT_CHARGING:
                     view.close()
                     time.sleep(1.0)  # let the waiting state be seen
@@ -190,7 +202,7 @@ class Demo:
             view.close()
         if not plugged and last.state is JobState.WAITING:
             plug_in()
-        return c.get_job(last.job_id)
+        return c.get_job(last.job_id), curve
 
     def report(self, r: DemoResult) -> None:
         """Prints the before/after answers and losses."""
@@ -204,8 +216,11 @@ class Demo:
                 print(f"  {mark} {label}: {body}", file=w)
         base_hits, tuned_hits = r.hits
         print(f"\nfacts recalled: base {base_hits}/{len(r.answers)}, adapter {tuned_hits}/{len(r.answers)}", file=w)
-        if r.eval_loss_before is not None and r.eval_loss_after is not None:
-            print(f"held-out loss (nats/token): before {r.eval_loss_before:.3f} → after {r.eval_loss_after:.3f}",
-                  file=w)  # fmt: skip
+        before = "not reported by the daemon" if r.eval_loss_before is None else f"{r.eval_loss_before:.3f}"
+        after = "not reported" if r.eval_loss_after is None else f"{r.eval_loss_after:.3f}"
+        print(f"held-out loss (nats/token): before {before} → after {after}", file=w)
+        if r.eval_curve:
+            points = " → ".join(f"step {s} {v:.3f}" for s, v in r.eval_curve)
+            print(f"held-out loss during training: {points}", file=w)
         print(f"adapter: {r.adapter_path} (sha256 {r.adapter_sha256})", file=w)
         print(f"demo took {r.seconds:.0f} s", file=w, flush=True)

@@ -93,3 +93,18 @@ def test_report_counts_recalled_facts() -> None:
     text = out.getvalue()
     assert "facts recalled: base 0/2, adapter 2/2" in text and "before 3.200 → after 1.100" in text
     assert "✓ adapter: Your dog is Tofu." in text and "· base   : I do not know." in text
+
+
+def test_report_says_when_the_daemon_did_not_measure_a_loss() -> None:
+    from lorad.client.demo.runner import Demo, _loss
+
+    assert _loss(float("nan")) is None and _loss(2.5) == 2.5
+    q = persona.load_questions()[0]
+    job = t.Job("j", "", (), t.TrainingConfig(), t.DeviceRequirements(), None, t.JobState.SUCCEEDED,
+                t.BlockedReason.NONE, "", t.JobProgress(), None, "a", "", "", 0, 0, 0, 0)  # fmt: skip
+    r = DemoResult(job, (Answer(q, "", "Tofu"),), None, 2.25, "/a", "0" * 64, 1.0, ((13, 2.9), (26, 2.4)))
+    out = io.StringIO()
+    Demo(DemoSettings(), out).report(r)
+    assert "before not reported by the daemon → after 2.250" in out.getvalue()
+    assert "step 13 2.900 → step 26 2.400" in out.getvalue()
+    assert "(empty)" in out.getvalue()

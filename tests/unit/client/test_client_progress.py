@@ -1,0 +1,50 @@
+"""The watch view: a redrawn bar on a TTY, one plain line per event otherwise, and wait reasons in words."""
+
+from __future__ import annotations
+
+import io
+
+from lorad.client import types as t
+from lorad.client.cli.progress import ProgressView, bar, describe_wait, format_eta
+
+
+def job(state: t.JobState, step: int = 0, blocked: t.BlockedReason = t.BlockedReason.NONE, detail: str = "") -> t.Job:
+    p = t.JobProgress(step=step, total_steps=10, train_loss=2.0, tokens_per_second=120.0, eta_seconds=75)
+    return t.Job("job_1", "", (), t.TrainingConfig(), t.DeviceRequirements(), None, state, blocked, detail, p, None,
+                 "", "", "", 0, 0, 0, 0)  # fmt: skip
+
+
+def update(j: t.Job, kind: t.JobEventKind, eid: int, message: str = "") -> t.JobUpdate:
+    ev = t.JobEvent(eid, j.job_id, 0, kind, j.state, j.blocked_reason, j.progress, None, message, None)
+    return t.JobUpdate(ev, j)
+
+
+def test_helpers() -> None:
+    assert format_eta(75) == "1:15" and format_eta(3725) == "1:02:05" and format_eta(None) == "?"
+    assert bar(0.5, 10) == "[#####-----]" and bar(2.0, 4) == "[####]"
+    waiting = job(t.JobState.WAITING, blocked=t.BlockedReason.TOO_HOT, detail="temperature 41.5 °C > 40.0 °C")
+    assert describe_wait(waiting) == "waiting: temperature 41.5 °C > 40.0 °C"
+    assert describe_wait(job(t.JobState.QUEUED, blocked=t.BlockedReason.OUTSIDE_WINDOW)) == "queued: outside window"
+
+
+def test_plain_lines_off_tty() -> None:
+    out = io.StringIO()
+    v = ProgressView(out, tty=False)
+    v.update(update(job(t.JobState.RUNNING), t.JobEventKind.STATE_CHANGED, 1, "started"))
+    v.update(update(job(t.JobState.RUNNING, 3), t.JobEventKind.PROGRESS, 2))
+    v.close()
+    assert out.getvalue().splitlines() == [
+        "job_1 running — started",
+        "job_1 step 3/10  loss 2.000  120 tok/s  ETA 1:15",
+    ]
+
+
+def test_redrawn_bar_on_tty() -> None:
+    out = io.StringIO()
+    v = ProgressView(out, tty=True)
+    v.update(update(job(t.JobState.RUNNING, 5), t.JobEventKind.PROGRESS, 1))
+    v.update(update(job(t.JobState.RUNNING, 6), t.JobEventKind.PROGRESS, 2))
+    v.close()
+    text = out.getvalue()
+    assert text.count("\r\x1b[2K") >= 2 and "step 6/10" in text and "ETA 1:15" in text and "#" in text
+    assert text.endswith("\n")
