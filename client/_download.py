@@ -158,8 +158,9 @@ async def resumable_download(
     failures, restarted = 0, False
     while True:
         offset = part.existing_size()
+        stream = open_stream(offset)
         try:
-            async for msg in open_stream(offset):
+            async for msg in stream:
                 if msg.WhichOneof("payload") == "header":
                     part.begin(msg.header.total_size_bytes, msg.header.sha256)
                 else:
@@ -176,6 +177,9 @@ async def resumable_download(
             err = exc
         finally:
             part.close()
+            cancel = getattr(stream, "cancel", None)
+            if cancel is not None:
+                cancel()  # no-op on a finished call; stops a stream abandoned after a local error
         if isinstance(err, IntegrityError | InvalidArgument) and offset > 0 and not restarted:
             # The .part file belongs to another version of the file (or is corrupt): start over once.
             log.info("download_restart file=%s reason=%s", part.final.name, type(err).__name__)

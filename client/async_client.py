@@ -322,8 +322,9 @@ class AsyncClient:
         while True:
             req = jobs_pb2.WatchJobRequest(job_id=job_id, after_event_id=last)
             final = False
+            call = self._jobs.WatchJob(req, metadata=self._metadata)
             try:
-                async for resp in self._jobs.WatchJob(req, metadata=self._metadata):
+                async for resp in call:
                     update = t.JobUpdate(conv.job_event(resp.event), conv.job(resp.job))
                     last, failures, final = update.event.event_id, 0, update.job.is_final
                     yield update
@@ -337,6 +338,8 @@ class AsyncClient:
                     return
                 if (await self.get_job(job_id)).is_final and not await self._has_events_after(job_id, last):
                     return
+            finally:
+                call.cancel()  # a caller that stops iterating early must not leave the stream open
             await asyncio.sleep(self.retry.delay(failures))
             failures += 1
 
@@ -495,11 +498,14 @@ class AsyncClient:
             base_model=base_model,
             system=system,
         )
+        call = self._inference.Generate(req, metadata=self._metadata)
         try:
-            async for msg in self._inference.Generate(req, metadata=self._metadata):
+            async for msg in call:
                 yield conv.generate_chunk(msg)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+        finally:
+            call.cancel()
 
     async def generate_text(self, prompt: str | Sequence[t.ChatMessage], **kwargs: Any) -> str:
         """Like generate(), but returns the whole text."""

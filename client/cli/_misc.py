@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from lorad.client.cli._context import make_client, opt
-from lorad.client.cli._output import EXIT_FAILURE, EXIT_OK, human_bytes, print_json, print_table, when
-from lorad.client.cli.progress import bar
-from lorad.client.types import AdapterFormat, DeviceStatus
+from lorad.client.cli._output import EXIT_FAILURE, EXIT_OK, human_bytes, print_json, print_table, to_jsonable, when
+from lorad.client.cli.progress import bar, describe_wait, stats_text
+from lorad.client.types import AdapterFormat, DeviceStatus, Job
 
 
 def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -195,8 +195,8 @@ def _yes_no(v: bool | None) -> str:
     return "unknown" if v is None else ("yes" if v else "no")
 
 
-def print_status(s: DeviceStatus) -> None:
-    """The human form of `lorad status`."""
+def print_status(s: DeviceStatus, job: Job | None = None) -> None:
+    """The human form of `lorad status`; `job` is the app's current job, if any."""
     b, r = s.backend, s.readings
     soc = f" (SoC {b.soc_model}, HTP {b.htp_arch})" if b.soc_model else ""
     print(f"daemon    lorad {s.version}")
@@ -214,7 +214,9 @@ def print_status(s: DeviceStatus) -> None:
     else:
         reasons = ", ".join(x.value.replace("_", " ") for x in s.blocked_reasons) or "unknown"
         print(f"training  blocked: {reasons}" + (f" ({s.blocked_detail})" if s.blocked_detail else ""))
-    if s.current_job_id:
+    if job is not None:
+        print(f"job       {job.job_id} {describe_wait(job)}  ({stats_text(job)})")
+    elif s.current_job_id:
         print(f"job       {s.current_job_id} is {s.current_job_state.value}")
     for m in s.models:
         print(f"model     {m.name} ({m.family}, {m.parameters / 1e6:.0f}M params){' default' if m.is_default else ''}")
@@ -224,10 +226,11 @@ def status(args: argparse.Namespace) -> int:
     """Shows the device status."""
     with make_client(args) as c:
         s = c.device_status()
+        job = c.get_job(s.current_job_id) if s.current_job_id else None
     if opt(args, "json"):
-        print_json(s)
+        print_json({**to_jsonable(s), "current_job": to_jsonable(job)})
     else:
-        print_status(s)
+        print_status(s, job)
     return EXIT_OK
 
 

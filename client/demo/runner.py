@@ -37,7 +37,7 @@ SYSTEM = "You are Mara Lindqvist's personal assistant. Answer her questions abou
 class DemoSettings:
     """Knobs of the demo; the defaults learn the persona visibly in a few minutes on 2 CPU cores."""
 
-    steps: int = 60
+    steps: int = 80
     seq_len: int = 128
     batch_size: int = 2
     learning_rate: float = 1e-3

@@ -270,3 +270,10 @@ def test_status_human_and_json(fake: FakeDaemon, tmp_path: Path) -> None:
     assert r.returncode == 0 and "blocked: too hot (temperature 45.0 °C > 40.0 °C)" in r.stdout
     s = json.loads(run(fake, tmp_path, "status", "--json", token=tok).stdout)
     assert s["backend"]["backend"] == "torch" and s["readings"]["temperature_celsius"] is None
+    assert s["current_job"] is None
+    job_id = json.loads(run(fake, tmp_path, "train", "d", "--window", "30 2 * * *", "--json", token=tok).stdout)[
+        "job_id"
+    ]
+    r = run(fake, tmp_path, "status", token=tok)
+    assert f"job       {job_id} queued" in r.stdout
+    assert json.loads(run(fake, tmp_path, "status", "--json", token=tok).stdout)["current_job"]["job_id"] == job_id

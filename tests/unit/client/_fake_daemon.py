@@ -337,8 +337,13 @@ class Device(device_pb2_grpc.DeviceServiceServicer):
         self.st = st
 
     async def _status(self, req: device_pb2.GetDeviceStatusRequest, ctx: Any) -> device_pb2.GetDeviceStatusResponse:
-        _app_of(ctx, self.st)
+        app = _app_of(ctx, self.st)
         r = device_pb2.GetDeviceStatusResponse(can_train=self.st.can_train, version="fake")
+        active = [
+            j for k, j in sorted(self.st.jobs.items()) if self.st.job_owner[k] == app and j.state not in (6, 7, 8)
+        ]
+        if active:
+            r.current_job_id, r.current_job_state = active[0].job_id, active[0].state
         r.backend.backend = common_pb2.BACKEND_TORCH
         r.backend.reason = "test double"
         r.readings.battery_percent, r.readings.charging, r.readings.source = 80, True, "fake"
