@@ -54,7 +54,7 @@ def ensure_owner_token(data_dir: Path) -> str:
     """
     path = data_dir / "owner.token"
     if path.exists():
-        os.chmod(path, 0o600)  # repair a loosened mode rather than serve a world-readable credential
+        path.chmod(0o600)  # repair a loosened mode rather than serve a world-readable credential
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
     token = new_token()
@@ -64,7 +64,7 @@ def ensure_owner_token(data_dir: Path) -> str:
         f.write(token + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp.replace(path)
     return token
 
 

@@ -15,7 +15,6 @@ import structlog
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from lorad.server.config import Config, ConfigError, load_config
 from lorad.server.device.probes import Probe
 from lorad.server.jobs import SessionFactory
@@ -95,14 +94,14 @@ class Daemon:
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         sock = self.socket_path
         sock.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(sock.parent, 0o700)  # only the owner may even reach the socket
+        sock.parent.chmod(0o700)  # only the owner may even reach the socket
         if sock.exists():
             sock.unlink()  # stale socket of a previous (crashed) run
         server.add_insecure_port(f"unix:{sock}")
         if self.cfg.server.tcp_address:
             self.tcp_port = server.add_insecure_port(self.cfg.server.tcp_address)
         await server.start()
-        os.chmod(sock, 0o600)
+        sock.chmod(0o600)
         self.serving = True
         for name in ("", *SERVICE_NAMES):
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)

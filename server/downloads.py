@@ -34,7 +34,7 @@ def _sha256(path: Path) -> str:
 def _fsync_replace(tmp: Path, dest: Path) -> None:
     with tmp.open("rb+") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, dest)
+    tmp.replace(dest)
     fd = os.open(dest.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,4 +1,5 @@
 """Typed domain errors; rpc/errors.py maps each to one gRPC status code."""
+# ruff: noqa: N818  (names mirror the gRPC status codes they map to)
 
 from __future__ import annotations
 

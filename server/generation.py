@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-
 from lorad.server.domain import AdapterRec, Message
 from lorad.server.errors import FailedPrecondition, InvalidArgument
 from lorad.server.modelhost import ModelHost
@@ -94,7 +93,9 @@ class Generator:
             ids = tok.render_chat(msgs, add_generation_prompt=True)[0]
         room = loaded.config.max_position - len(ids)
         if room <= 0:
-            raise InvalidArgument("prompt", f"{len(ids)} prompt tokens fill the model's context ({loaded.config.max_position})")
+            raise InvalidArgument(
+                "prompt", f"{len(ids)} prompt tokens fill the model's context ({loaded.config.max_position})"
+            )
         n = min(req.max_tokens, room)
         cfg = SamplingConfig(max_new_tokens=n, temperature=req.temperature, top_p=req.top_p,
                              seed=req.seed if req.temperature > 0 else None)  # fmt: skip

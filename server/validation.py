@@ -124,7 +124,9 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
     targets = tuple(raw.get("target_modules") or TARGETS)
     for i, t in enumerate(targets):
         if t not in TARGETS:
-            raise InvalidArgument(f"{field}.lora.target_modules[{i}]", f"{t[:40]!r} unknown; one of {', '.join(TARGETS)}")
+            raise InvalidArgument(
+                f"{field}.lora.target_modules[{i}]", f"{t[:40]!r} unknown; one of {', '.join(TARGETS)}"
+            )
     if len(set(targets)) != len(targets):
         raise InvalidArgument(f"{field}.lora.target_modules", "contains duplicates")
     steps = int(_num(raw, "max_steps")) or d.max_steps
@@ -195,7 +197,9 @@ def build_window(cron: str, jitter_seconds: int, timezone: str, field: str = "wi
         try:
             zoneinfo.ZoneInfo(timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-            raise InvalidArgument(f"{field}.timezone", f"{timezone[:64]!r} is not an IANA zone, e.g. 'Europe/Berlin'") from None
+            raise InvalidArgument(
+                f"{field}.timezone", f"{timezone[:64]!r} is not an IANA zone, e.g. 'Europe/Berlin'"
+            ) from None
     if len(cron.split()) != 5:
         raise InvalidArgument(f"{field}.cron", f"{cron[:64]!r} must have five fields: minute hour day month weekday")
     try:

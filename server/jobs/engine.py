@@ -38,9 +38,10 @@ class EngineSession:
 
         p = self.req.spec.params
         backend = p.backend if p.backend != "auto" else self.backend_override
+        targets = tuple(t.removesuffix("_proj") for t in p.target_modules)  # the trainer names them q, k, …
         try:
             return TrainConfig(
-                rank=p.rank, alpha=p.alpha, dropout=p.dropout, targets=tuple(t.removesuffix("_proj") for t in p.target_modules), lr=p.learning_rate,
+                rank=p.rank, alpha=p.alpha, dropout=p.dropout, targets=targets, lr=p.learning_rate,
                 steps=p.max_steps, batch_size=p.batch_size, seq_len=p.seq_len, grad_accum=p.grad_accum_steps,
                 warmup_steps=p.warmup_steps, schedule=p.lr_schedule,
                 min_lr_ratio=0.1 if p.lr_schedule == "cosine" else 0.0,  # the API's cosine decays to 10% of peak
@@ -121,8 +122,10 @@ class EngineSession:
         scan_checkpoints(res.losses[-1] if res.losses else 0.0)
         rep = res.data_report
         rejected = {k: v for k, v in dict(rep.rejected).items() if v}
-        sink.notice(f"data: {rep.train_samples} train and {rep.eval_samples} held-out samples"
-                    + (f"; rejected {rejected}" if rejected else ""))
+        sink.notice(
+            f"data: {rep.train_samples} train and {rep.eval_samples} held-out samples"
+            + (f"; rejected {rejected}" if rejected else "")
+        )
         if res.resumed_from is not None:
             sink.notice(f"resumed from checkpoint step {res.resumed_from}")
         if res.status != "completed" or res.adapter_dir is None:

@@ -21,7 +21,7 @@ PAUSABLE = (JobState.QUEUED, JobState.WAITING)
 class JobManager:
     """Job operations scoped to one app per call; the runner does the NPU side."""
 
-    def __init__(self, apps: AppRepo, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, runner: Runner,
+    def __init__(self, apps: AppRepo, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, runner: Runner,  # noqa: PLR0917
                  hub: EventHub, layout: Layout) -> None:  # fmt: skip
         self.apps, self.jobs, self.samples, self.adapters = apps, jobs, samples, adapters
         self.runner, self.hub, self.layout = runner, hub, layout
@@ -41,7 +41,7 @@ class JobManager:
                 raise NotFound("dataset", d)
         quota = self.apps.get(app_id).quota
         state, blocked = (JobState.QUEUED, Blocked.OUTSIDE_WINDOW) if spec.window else (JobState.WAITING, Blocked.NONE)
-        active = len(self.jobs.list(app_id, ACTIVE_STATES, 1000, "")[0])
+        active = len(self.jobs.list_page(app_id, ACTIVE_STATES, 1000, "")[0])
         adapters = self.adapters.count(app_id)
         if adapters + active >= quota.max_adapters:
             raise ResourceExhausted(
@@ -64,9 +64,9 @@ class JobManager:
         """One of the app's jobs (NotFound for absent and not-yours alike)."""
         return self.jobs.get(job_id, app_id)
 
-    def list(self, app_id: str, states: Collection[JobState], size: int, token: str) -> tuple[list[Job], str]:
+    def list_page(self, app_id: str, states: Collection[JobState], size: int, token: str) -> tuple[list[Job], str]:
         """The app's jobs, newest first."""
-        return self.jobs.list(app_id, states, size, token)
+        return self.jobs.list_page(app_id, states, size, token)
 
     def pause(self, app_id: str, job_id: str) -> Job:
         """RUNNING → PAUSING → PAUSED (checkpoint); QUEUED/WAITING → PAUSED; PAUSING/PAUSED unchanged.
@@ -146,7 +146,7 @@ class JobManager:
     def cancel_all(self, app_id: str) -> int:
         """Cancels every active job of the app (ForgetApp); returns how many."""
         n = 0
-        for job in self.jobs.list(app_id, ACTIVE_STATES, 1000, "")[0]:
+        for job in self.jobs.list_page(app_id, ACTIVE_STATES, 1000, "")[0]:
             try:
                 self.cancel(app_id, job.job_id)
                 n += 1

@@ -9,10 +9,10 @@ kill -9), so no acknowledged data or finished step beyond the last checkpoint is
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 from lorad.server.device.conditions import evaluate
@@ -34,7 +34,7 @@ ON_NPU = (JobState.RUNNING, JobState.PAUSING)
 class Runner:
     """Runs jobs one at a time on a dedicated thread; ``reconcile()`` applies the device conditions to the queue."""
 
-    def __init__(self, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, layout: Layout,
+    def __init__(self, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, layout: Layout,  # noqa: PLR0917
                  factory: SessionFactory, hub: EventHub, readings: Callable[[], Readings],
                  keep_checkpoints: int = 2) -> None:  # fmt: skip
         self.jobs, self.samples, self.adapters, self.layout = jobs, samples, adapters, layout
@@ -122,8 +122,8 @@ class Runner:
             self._move(job_id, (JobState.RUNNING,), JobState.PAUSING, blocked, detail, f"pausing: {detail}")
         self._stop.set()
 
-    def _move(self, job_id: str, allowed: tuple[JobState, ...] | frozenset[JobState], to: JobState,
-              blocked: Blocked, detail: str, message: str, **fields: object) -> bool:  # fmt: skip
+    def _move(self, job_id: str, allowed: tuple[JobState, ...] | frozenset[JobState], to: JobState,  # noqa: PLR0917
+              blocked: Blocked, detail: str, message: str, **fields: Any) -> bool:  # fmt: skip
         try:
             job = self.jobs.get(job_id)
             if job.state is to and job.blocked is blocked and job.blocked_detail == detail and not fields:
@@ -219,7 +219,7 @@ class Runner:
         adapter_id = new_id("adp")
         dest = self.layout.adapter_dir(job.app_id, adapter_id)
         dest.mkdir(parents=True, exist_ok=True)
-        os.replace(art.path, dest / "peft")  # same filesystem: an atomic move of the finished folder
+        art.path.replace(dest / "peft")  # same filesystem: an atomic move of the finished folder
         p = job.spec.params
         rec = AdapterRec(
             adapter_id=adapter_id, app_id=job.app_id, job_id=job_id, base_model=art.base_model,

@@ -10,7 +10,7 @@ from typing import Protocol
 from lorad.server.domain import JobSpec, Progress, SampleBody
 
 
-class JobFailure(Exception):
+class JobFailure(Exception):  # noqa: N818  (reads as the job's outcome)
     """A training failure with a stable code (e.g. "no_usable_samples", "backend_failed") and a safe message."""
 
     def __init__(self, code: str, message: str) -> None:

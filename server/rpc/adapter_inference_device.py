@@ -1,4 +1,5 @@
 """AdapterService, InferenceService and DeviceService servicers."""
+# ruff: noqa: N802  (servicer method names are fixed by the generated gRPC base classes)
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
-
 from lorad.server import validation as v
 from lorad.server.device.conditions import evaluate
 from lorad.server.domain import JobState, Message
@@ -31,7 +31,7 @@ from lorad.v1 import (
     jobs_pb2,
 )
 
-FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
+FINISH: dict[str, Any] = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
           "context": inference_pb2.FINISH_REASON_CONTEXT}  # fmt: skip
 
 
@@ -43,7 +43,7 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
 
     async def ListAdapters(self, request: adapters_pb2.ListAdaptersRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        recs, nxt = await asyncio.to_thread(self.s.adapters.list, app_id, request.page_size, request.page_token)
+        recs, nxt = await asyncio.to_thread(self.s.adapters.list_page, app_id, request.page_size, request.page_token)
         return adapters_pb2.ListAdaptersResponse(adapters=[cv.adapter_pb(r) for r in recs], next_page_token=nxt)
 
     async def GetAdapter(self, request: adapters_pb2.GetAdapterRequest, context: aio.ServicerContext) -> Any:
@@ -51,8 +51,9 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
         rec = await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
         return adapters_pb2.GetAdapterResponse(adapter=cv.adapter_pb(rec))
 
-    async def DownloadAdapter(self, request: adapters_pb2.DownloadAdapterRequest,
-                              context: aio.ServicerContext) -> AsyncIterator[adapters_pb2.DownloadAdapterResponse]:  # fmt: skip
+    async def DownloadAdapter(
+        self, request: adapters_pb2.DownloadAdapterRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[adapters_pb2.DownloadAdapterResponse]:
         app_id = principal().require_app()
         rec = await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
         fmt = cv.FORMAT_NAMES.get(request.format)
@@ -160,7 +161,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             version=_version(),
         )  # fmt: skip
         if app_id is not None:
-            active = self.s.jobs.list(app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED,
+            active = self.s.jobs.list_page(app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED,
                                                JobState.WAITING], 1000, "")[0]  # fmt: skip
             if active:
                 job = min(active, key=lambda j: (j.state not in (JobState.RUNNING, JobState.PAUSING), j.created_at_ms))

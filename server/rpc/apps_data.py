@@ -1,4 +1,5 @@
 """AppService (owner only) and DataService (app scoped): unpack, call the domain, pack."""
+# ruff: noqa: N802  (servicer method names are fixed by the generated gRPC base classes)
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
-
 from lorad.server import validation as v
 from lorad.server.auth import hash_token, new_token
 from lorad.server.errors import InvalidArgument, PermissionDenied
@@ -37,7 +37,7 @@ class AppServicer(apps_pb2_grpc.AppServiceServicer):
 
     async def ListApps(self, request: apps_pb2.ListAppsRequest, context: aio.ServicerContext) -> Any:
         principal().require_owner()
-        apps, nxt = await asyncio.to_thread(self.s.apps.list, request.page_size, request.page_token)
+        apps, nxt = await asyncio.to_thread(self.s.apps.list_page, request.page_size, request.page_token)
         return apps_pb2.ListAppsResponse(apps=[cv.app_pb(a) for a in apps], next_page_token=nxt)
 
     async def RevokeApp(self, request: apps_pb2.RevokeAppRequest, context: aio.ServicerContext) -> Any:

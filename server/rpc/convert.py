@@ -9,34 +9,42 @@ from lorad.server.config import Config
 from lorad.server.device.probes import Readings
 from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, jobs_pb2
 
-ROLE_NAMES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common_pb2.ROLE_ASSISTANT: "assistant"}
-BACKEND_NAMES = {common_pb2.BACKEND_TORCH: "torch", common_pb2.BACKEND_ORT_CPU: "ort-cpu",
+ROLE_NAMES: dict[Any, str] = {
+    common_pb2.ROLE_SYSTEM: "system",
+    common_pb2.ROLE_USER: "user",
+    common_pb2.ROLE_ASSISTANT: "assistant",
+}
+BACKEND_NAMES: dict[Any, str] = {common_pb2.BACKEND_TORCH: "torch", common_pb2.BACKEND_ORT_CPU: "ort-cpu",
                  common_pb2.BACKEND_QNN_HTP: "qnn-htp"}  # fmt: skip
-BACKEND_ENUMS = {v: k for k, v in BACKEND_NAMES.items()}
-PRECISION_NAMES = {common_pb2.PRECISION_FP32: "fp32", common_pb2.PRECISION_FP16: "fp16",
+BACKEND_ENUMS: dict[str, Any] = {v: k for k, v in BACKEND_NAMES.items()}
+PRECISION_NAMES: dict[Any, str] = {common_pb2.PRECISION_FP32: "fp32", common_pb2.PRECISION_FP16: "fp16",
                    common_pb2.PRECISION_W8A16: "w8a16", common_pb2.PRECISION_W8A8: "w8a8"}  # fmt: skip
-PRECISION_ENUMS = {v: k for k, v in PRECISION_NAMES.items()}
-SCHEDULE_NAMES = {common_pb2.LR_SCHEDULE_COSINE: "cosine", common_pb2.LR_SCHEDULE_LINEAR: "linear",
+PRECISION_ENUMS: dict[str, Any] = {v: k for k, v in PRECISION_NAMES.items()}
+SCHEDULE_NAMES: dict[Any, str] = {common_pb2.LR_SCHEDULE_COSINE: "cosine", common_pb2.LR_SCHEDULE_LINEAR: "linear",
                   common_pb2.LR_SCHEDULE_CONSTANT: "constant"}  # fmt: skip
-SCHEDULE_ENUMS = {v: k for k, v in SCHEDULE_NAMES.items()}
-FORMAT_NAMES = {adapters_pb2.ADAPTER_FORMAT_UNSPECIFIED: "peft", adapters_pb2.ADAPTER_FORMAT_PEFT: "peft",
-                adapters_pb2.ADAPTER_FORMAT_GGUF: "gguf", adapters_pb2.ADAPTER_FORMAT_MERGED: "merged"}  # fmt: skip
-FORMAT_ENUMS = {"peft": adapters_pb2.ADAPTER_FORMAT_PEFT, "gguf": adapters_pb2.ADAPTER_FORMAT_GGUF,
+SCHEDULE_ENUMS: dict[str, Any] = {v: k for k, v in SCHEDULE_NAMES.items()}
+FORMAT_NAMES: dict[Any, str] = {
+    adapters_pb2.ADAPTER_FORMAT_UNSPECIFIED: "peft",
+    adapters_pb2.ADAPTER_FORMAT_PEFT: "peft",
+    adapters_pb2.ADAPTER_FORMAT_GGUF: "gguf",
+    adapters_pb2.ADAPTER_FORMAT_MERGED: "merged",
+}
+FORMAT_ENUMS: dict[str, Any] = {"peft": adapters_pb2.ADAPTER_FORMAT_PEFT, "gguf": adapters_pb2.ADAPTER_FORMAT_GGUF,
                 "merged": adapters_pb2.ADAPTER_FORMAT_MERGED}  # fmt: skip
 
 
-def state_pb(s: d.JobState) -> int:
+def state_pb(s: d.JobState) -> Any:
     """Domain job state → JobState enum value."""
     return int(jobs_pb2.JobState.Value(f"JOB_STATE_{s.name}"))
 
 
-def state_from_pb(v: int) -> d.JobState | None:
+def state_from_pb(v: Any) -> d.JobState | None:
     """JobState enum value → domain state (None for UNSPECIFIED or unknown values)."""
     name = jobs_pb2.JobState.Name(v) if v in jobs_pb2.JobState.values() else ""
     return d.JobState[name.removeprefix("JOB_STATE_")] if name and v != 0 else None
 
 
-def blocked_pb(b: d.Blocked) -> int:
+def blocked_pb(b: d.Blocked) -> Any:
     """Domain blocked reason → BlockedReason enum value."""
     return 0 if b is d.Blocked.NONE else int(jobs_pb2.BlockedReason.Value(f"BLOCKED_REASON_{b.name}"))
 
@@ -159,7 +167,8 @@ def job_pb(j: d.Job) -> jobs_pb2.Job:
     """Job → proto."""
     out = jobs_pb2.Job(
         job_id=j.job_id, request_id=j.request_id, dataset_ids=j.spec.dataset_ids, config=params_pb(j.spec.params),
-        requirements=requirements_pb(j.spec.requirements), state=state_pb(j.state), blocked_reason=blocked_pb(j.blocked),
+        requirements=requirements_pb(j.spec.requirements), state=state_pb(j.state),
+        blocked_reason=blocked_pb(j.blocked),
         blocked_detail=j.blocked_detail, progress=progress_pb(j.progress), adapter_id=j.adapter_id, backend=j.backend,
         schedule_id=j.schedule_id, created_at_ms=j.created_at_ms, started_at_ms=j.started_at_ms,
         finished_at_ms=j.finished_at_ms, data_until_ms=j.data_until_ms,
@@ -183,7 +192,7 @@ def event_pb(e: d.JobEvent) -> jobs_pb2.JobEvent:
     """JobEvent → proto."""
     out = jobs_pb2.JobEvent(
         event_id=e.event_id, job_id=e.job_id, time_ms=e.time_ms,
-        kind=int(jobs_pb2.JobEventKind.Value(f"JOB_EVENT_KIND_{e.kind.name}")), state=state_pb(e.state),
+        kind=jobs_pb2.JobEventKind.Value(f"JOB_EVENT_KIND_{e.kind.name}"), state=state_pb(e.state),
         blocked_reason=blocked_pb(e.blocked), progress=progress_pb(e.progress), message=e.message,
     )  # fmt: skip
     if e.checkpoint is not None:

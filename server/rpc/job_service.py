@@ -1,4 +1,5 @@
 """JobService: create (idempotent), control, watch (paged, resumable) and schedules."""
+# ruff: noqa: N802  (servicer method names are fixed by the generated gRPC base classes)
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
-
 from lorad.server import validation as v
 from lorad.server.domain import JobSpec
 from lorad.server.errors import InvalidArgument, NotFound
@@ -58,7 +58,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             if st is None:
                 raise InvalidArgument(f"states[{i}]", f"{raw} is not a job state; use JOB_STATE_QUEUED … CANCELLED")
             states.append(st)
-        jobs, nxt = await asyncio.to_thread(self.s.manager.list, app_id, states, request.page_size, request.page_token)
+        jobs, nxt = await asyncio.to_thread(
+            self.s.manager.list_page, app_id, states, request.page_size, request.page_token
+        )
         return jobs_pb2.ListJobsResponse(jobs=[cv.job_pb(j) for j in jobs], next_page_token=nxt)
 
     async def PauseJob(self, request: jobs_pb2.PauseJobRequest, context: aio.ServicerContext) -> Any:
@@ -109,8 +111,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def ListJobEvents(self, request: jobs_pb2.ListJobEventsRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        events, more = await asyncio.to_thread(self.s.manager.events, app_id, v.check_server_id("job_id", request.job_id),
-                                               request.after_event_id, page_size(request.page_size))  # fmt: skip
+        job_id = v.check_server_id("job_id", request.job_id)
+        events, more = await asyncio.to_thread(self.s.manager.events, app_id, job_id, request.after_event_id,
+                                               page_size(request.page_size))  # fmt: skip
         return jobs_pb2.ListJobEventsResponse(events=[cv.event_pb(e) for e in events], has_more=more)
 
     async def ListCheckpoints(self, request: jobs_pb2.ListCheckpointsRequest, context: aio.ServicerContext) -> Any:
@@ -124,7 +127,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("window.cron", "required: a five-field cron expression, e.g. '30 2 * * *'")
         spec = self._spec(request.dataset_ids, request.config, request.requirements, request.window, True)
         have = await asyncio.to_thread(self.s.samples.existing_datasets, app_id, spec.dataset_ids)
-        for i, d in enumerate(spec.dataset_ids):
+        for d in spec.dataset_ids:
             if d not in have:
                 raise NotFound("dataset", d)
         assert self.scheduler is not None
@@ -133,7 +136,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def ListSchedules(self, request: jobs_pb2.ListSchedulesRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        scheds = await asyncio.to_thread(self.s.schedules.list, app_id)
+        scheds = await asyncio.to_thread(self.s.schedules.for_app, app_id)
         if self.scheduler is not None:
             scheds = [self.scheduler.with_next_run(x) for x in scheds]
         return jobs_pb2.ListSchedulesResponse(schedules=[cv.schedule_pb(x) for x in scheds])

@@ -68,7 +68,7 @@ def bad_utf8_path(buf: bytes, desc: Descriptor, prefix: str = "") -> str | None:
                 except UnicodeDecodeError:
                     return path
             elif f.type == FieldDescriptor.TYPE_MESSAGE:
-                found = bad_utf8_path(chunk, f.message_type, path + ".")
+                found = bad_utf8_path(chunk, f.message_type, path + ".") if f.message_type else None
                 if found:
                     return found
     except ValueError:

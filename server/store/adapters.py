@@ -49,7 +49,7 @@ class AdapterRepo:
             raise NotFound("adapter", adapter_id)
         return _rec(row)
 
-    def list(self, app_id: str, size: int, token: str) -> tuple[list[AdapterRec], str]:
+    def list_page(self, app_id: str, size: int, token: str) -> tuple[list[AdapterRec], str]:
         """The app's adapters newest first; returns (page, next_page_token)."""
         raw = decode_cursor(token) if token else str(2**62)
         if raw is None or not raw.isdigit():

@@ -32,13 +32,21 @@ class AppRepo:
             c.execute(
                 "INSERT INTO apps(app_id, display_name, token_hash, created_at_ms, max_samples, max_sample_bytes,"
                 " max_adapters, max_active_jobs) VALUES (?,?,?,?,?,?,?,?)",
-                (app_id, display_name, token_hash, now_ms(), quota.max_samples, quota.max_sample_bytes,
-                 quota.max_adapters, quota.max_active_jobs),
+                (
+                    app_id,
+                    display_name,
+                    token_hash,
+                    now_ms(),
+                    quota.max_samples,
+                    quota.max_sample_bytes,
+                    quota.max_adapters,
+                    quota.max_active_jobs,
+                ),
             )
         return self.get(app_id)
 
     def app_for_token_hash(self, token_hash: str) -> str | None:
-        """The app id owning a token hash, None if unknown or revoked (checked on every call: revocation is immediate)."""
+        """The app id of a token hash; None if unknown or revoked (checked per call: revocation is immediate)."""
         with self.db.read() as c:
             row = c.execute("SELECT app_id FROM apps WHERE token_hash=? AND revoked=0", (token_hash,)).fetchone()
         return None if row is None else str(row["app_id"])
@@ -58,7 +66,7 @@ class AppRepo:
             ).fetchone()
         return _app(row, n, size)
 
-    def list(self, size: int, token: str) -> tuple[list[App], str]:
+    def list_page(self, size: int, token: str) -> tuple[list[App], str]:
         """Apps ordered by id, one page; returns (apps, next_page_token)."""
         after = decode_cursor(token) if token else ""
         if after is None:

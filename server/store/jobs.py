@@ -76,7 +76,7 @@ class JobRepo:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, app_id: str, request_id: str, spec: JobSpec, state: JobState, blocked: Blocked,
+    def create(self, app_id: str, request_id: str, spec: JobSpec, state: JobState, blocked: Blocked,  # noqa: PLR0917
                max_active: int, schedule_id: str = "") -> tuple[Job, bool]:  # fmt: skip
         """Creates a job, or returns the existing one for a retried request_id with the same spec.
 
@@ -127,7 +127,7 @@ class JobRepo:
         with self.db.read() as c:
             return _load(c, job_id, app_id)
 
-    def list(self, app_id: str, states: Collection[JobState], size: int, token: str) -> tuple[list[Job], str]:
+    def list_page(self, app_id: str, states: Collection[JobState], size: int, token: str) -> tuple[list[Job], str]:
         """The app's jobs newest first; returns (page, next_page_token)."""
         before = decode_cursor(token) if token else None
         if token and (before is None or not before.isdigit()):
@@ -166,7 +166,8 @@ class JobRepo:
             job = _load(c, job_id, app_id)
             if job.state not in allowed_from:
                 raise FailedPrecondition(
-                    f"job {job_id} is {job.state.name}; this needs one of {', '.join(sorted(s.name for s in allowed_from))}"
+                    f"job {job_id} is {job.state.name}; this needs one of "
+                    f"{', '.join(sorted(s.name for s in allowed_from))}"
                 )
             if to.final:
                 fields.setdefault("finished_at_ms", now_ms())
@@ -174,9 +175,7 @@ class JobRepo:
                 fields.setdefault("started_at_ms", now_ms())
             same = job.state is to and job.blocked is blocked
             cols = {"state": to.value, "blocked": blocked.value, "blocked_detail": detail, **fields}
-            c.execute(
-                f"UPDATE jobs SET {', '.join(f'{k}=?' for k in cols)} WHERE job_id=?", (*cols.values(), job_id)
-            )
+            c.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in cols)} WHERE job_id=?", (*cols.values(), job_id))
             job = _load(c, job_id, None)
             event = None if same else _insert_event(c, job, EventKind.STATE_CHANGED, message)
         return job, event

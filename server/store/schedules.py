@@ -22,7 +22,7 @@ class ScheduleRepo:
                       (s.schedule_id, app_id, spec_to_json(spec), s.created_at_ms))  # fmt: skip
         return s
 
-    def list(self, app_id: str | None) -> list[Schedule]:
+    def for_app(self, app_id: str | None) -> list[Schedule]:
         """The app's schedules (every schedule for None), oldest first."""
         with self.db.read() as c:
             if app_id is None:
@@ -33,7 +33,7 @@ class ScheduleRepo:
 
     def get(self, schedule_id: str, app_id: str | None = None) -> Schedule:
         """One schedule (NotFound for absent and not-yours alike)."""
-        for s in self.list(app_id):
+        for s in self.for_app(app_id):
             if s.schedule_id == schedule_id:
                 return s
         raise NotFound("schedule", schedule_id)
@@ -46,7 +46,7 @@ class ScheduleRepo:
 
     def delete_app(self, app_id: str) -> list[str]:
         """Deletes all of the app's schedules; returns their ids."""
-        ids = [s.schedule_id for s in self.list(app_id)]
+        ids = [s.schedule_id for s in self.for_app(app_id)]
         with self.db.tx() as c:
             c.execute("DELETE FROM schedules WHERE app_id=?", (app_id,))
         return ids

@@ -15,10 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
 
-from tiny_models import save_tiny_hf  # noqa: E402
-
-from lorad.server.config import build_config  # noqa: E402
-from lorad.v1 import (  # noqa: E402
+from lorad.server.config import build_config
+from lorad.v1 import (
     adapters_pb2_grpc,
     apps_pb2,
     apps_pb2_grpc,
@@ -27,6 +25,7 @@ from lorad.v1 import (  # noqa: E402
     inference_pb2_grpc,
     jobs_pb2_grpc,
 )
+from tiny_models import save_tiny_hf
 
 GOOD = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}
 
@@ -54,8 +53,15 @@ class Stubs:
 class DaemonHandle:
     """A real Daemon on a temp Unix socket (and TCP port 0 when asked), served by a background event loop."""
 
-    def __init__(self, data_dir: Path, model_dir: Path, tcp: bool = False, factory: Any = None,
-                 probe_values: dict[str, Any] | None = None, **conditions: Any) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        model_dir: Path,
+        tcp: bool = False,
+        factory: Any = None,
+        probe_values: dict[str, Any] | None = None,
+        **conditions: Any,
+    ) -> None:
         from lorad.server.daemon import Daemon
 
         self.data_dir = data_dir

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-
 from lorad.v1 import common_pb2, data_pb2, jobs_pb2
 
 GOOD_PROBE = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}

@@ -8,7 +8,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import code_of
-
 from lorad.v1 import apps_pb2, data_pb2, device_pb2
 
 pytestmark = pytest.mark.integration

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC
 
 import pytest
 from helpers import FINAL, GOOD_PROBE, append, create_job, get_job, wait_for, wait_state
-
 from lorad.v1 import common_pb2, jobs_pb2
 
 pytestmark = pytest.mark.integration
@@ -32,14 +32,14 @@ def test_pause_and_resume_by_rpc_continues_from_the_checkpoint(make_daemon) -> N
     d = make_daemon()
     app, _ = d.register("notes")
     append(app)
-    job = create_job(app, steps=30, checkpoint_every_steps=1000, eval_every_steps=1000)
+    job = create_job(app, steps=60, checkpoint_every_steps=1000, eval_every_steps=1000)
     wait_for(lambda: get_job(app, job.job_id).progress.step >= 2, 60, "two steps")
     p = app.jobs.PauseJob(S.PauseJobRequest(job_id=job.job_id), metadata=app.md).job
     assert p.state in (S.JOB_STATE_PAUSING, S.JOB_STATE_PAUSED)
     p = wait_state(app, job.job_id, {S.JOB_STATE_PAUSED})
     assert p.blocked_reason == S.BLOCKED_REASON_PAUSED_BY_USER
     at = p.progress.step
-    assert 2 <= at < 30
+    assert 2 <= at < 60
     cks = app.jobs.ListCheckpoints(S.ListCheckpointsRequest(job_id=job.job_id), metadata=app.md).checkpoints
     assert [c.step for c in cks][-1] == at and cks[-1].size_bytes > 0
     time.sleep(0.3)
@@ -49,7 +49,7 @@ def test_pause_and_resume_by_rpc_continues_from_the_checkpoint(make_daemon) -> N
     assert done.state == S.JOB_STATE_SUCCEEDED, done.error
     ev = _events(app, job.job_id)
     steps = _progress_steps(ev)
-    assert steps == list(range(1, 31)), "resume continues after the checkpoint step, no step twice"
+    assert steps == list(range(1, 61)), "resume continues after the checkpoint step, no step twice"
     assert any(e.message == f"resumed from checkpoint step {at}" for e in ev)
     states = [e.state for e in ev if e.kind == S.JOB_EVENT_KIND_STATE_CHANGED]
     assert S.JOB_STATE_PAUSING in states and S.JOB_STATE_PAUSED in states
@@ -59,7 +59,7 @@ def test_condition_monitor_pauses_and_resumes_and_npu_is_exclusive(make_daemon) 
     d = make_daemon()
     app, _ = d.register("notes")
     append(app)
-    first = create_job(app, request_id="a", steps=30, checkpoint_every_steps=1000, eval_every_steps=1000)
+    first = create_job(app, request_id="a", steps=60, checkpoint_every_steps=1000, eval_every_steps=1000)
     second = create_job(app, request_id="b", steps=2)
     wait_for(lambda: get_job(app, first.job_id).progress.step >= 2, 60, "first job training")
     q = get_job(app, second.job_id)
@@ -81,7 +81,7 @@ def test_condition_monitor_pauses_and_resumes_and_npu_is_exclusive(make_daemon) 
     d.set_probe(GOOD_PROBE)
     done = wait_state(app, first.job_id, FINAL, 120)
     assert done.state == S.JOB_STATE_SUCCEEDED
-    assert _progress_steps(_events(app, first.job_id)) == list(range(1, 31))
+    assert _progress_steps(_events(app, first.job_id)) == list(range(1, 61))
     assert wait_state(app, second.job_id, FINAL, 60).state == S.JOB_STATE_SUCCEEDED
     # One NPU owner: the second job only started after the first finished.
     assert get_job(app, second.job_id).started_at_ms >= done.finished_at_ms
@@ -103,9 +103,9 @@ def test_windows_only_queue_work(make_daemon) -> None:
     time.sleep(0.3)
     assert get_job(app, job.job_id).state == S.JOB_STATE_QUEUED  # conditions hold, but the window is closed
     # Open the window now (as if 02:30 came).
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    d.loop.call_soon_threadsafe(lambda: aps_job.modify(next_run_time=datetime.now(timezone.utc)))
+    d.loop.call_soon_threadsafe(lambda: aps_job.modify(next_run_time=datetime.now(UTC)))
     done = wait_state(app, job.job_id, FINAL, 60)
     assert done.state == S.JOB_STATE_SUCCEEDED
     assert sched.aps.get_job(f"window:{job.job_id}") is None  # one-shot
@@ -117,7 +117,7 @@ def test_windows_only_queue_work(make_daemon) -> None:
     listed = app.jobs.ListSchedules(S.ListSchedulesRequest(), metadata=app.md).schedules
     assert [s.schedule_id for s in listed] == [sch.schedule_id]
     aps_s = sched.aps.get_job(f"schedule:{sch.schedule_id}")
-    d.loop.call_soon_threadsafe(lambda: aps_s.modify(next_run_time=datetime.now(timezone.utc)))
+    d.loop.call_soon_threadsafe(lambda: aps_s.modify(next_run_time=datetime.now(UTC)))
     made = wait_for(lambda: [j for j in app.jobs.ListJobs(S.ListJobsRequest(), metadata=app.md).jobs
                              if j.schedule_id == sch.schedule_id], 30, "a job from the schedule")  # fmt: skip
     assert wait_state(app, made[0].job_id, FINAL, 60).state == S.JOB_STATE_SUCCEEDED

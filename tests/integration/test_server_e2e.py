@@ -9,7 +9,6 @@ import tarfile
 
 import pytest
 from helpers import FINAL, append, create_job
-
 from lorad.v1 import adapters_pb2, inference_pb2, jobs_pb2
 
 pytestmark = pytest.mark.integration
@@ -51,7 +50,7 @@ def test_end_to_end(make_daemon, tcp: bool) -> None:
     kinds = {e.kind for e in events}
     assert {jobs_pb2.JOB_EVENT_KIND_PROGRESS, jobs_pb2.JOB_EVENT_KIND_CHECKPOINT, jobs_pb2.JOB_EVENT_KIND_EVAL} <= kinds
     steps = [e.progress.step for e in events if e.kind == jobs_pb2.JOB_EVENT_KIND_PROGRESS]
-    assert steps == sorted(steps) and max(steps + [0]) >= 5
+    assert steps == sorted(steps) and max([*steps, 0]) >= 5
     final = msg.job
     assert final.state == jobs_pb2.JOB_STATE_SUCCEEDED and final.adapter_id and final.backend == "torch"
     assert final.progress.step == 6 and final.progress.train_loss > 0
@@ -62,8 +61,12 @@ def test_end_to_end(make_daemon, tcp: bool) -> None:
     assert tail == []
     # ... and from the middle it continues exactly where it left off.
     mid = ids[len(ids) // 2]
-    rest = [m.event.event_id for m in app.jobs.WatchJob(
-        jobs_pb2.WatchJobRequest(job_id=job.job_id, after_event_id=mid), metadata=app.md, timeout=10)]
+    rest = [
+        m.event.event_id
+        for m in app.jobs.WatchJob(
+            jobs_pb2.WatchJobRequest(job_id=job.job_id, after_event_id=mid), metadata=app.md, timeout=10
+        )
+    ]
     assert rest == [i for i in ids if i > mid]
 
     ad = app.adapters.GetAdapter(adapters_pb2.GetAdapterRequest(adapter_id=final.adapter_id), metadata=app.md).adapter
@@ -72,9 +75,9 @@ def test_end_to_end(make_daemon, tcp: bool) -> None:
     header, blob, offsets = _download(app, final.adapter_id)
     assert header.total_size_bytes == len(blob) and hashlib.sha256(blob).hexdigest() == header.sha256
     assert offsets[0] == 0
-    names = tarfile.open(fileobj=io.BytesIO(blob)).getnames()
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(names)
-    cfg = json.loads(tarfile.open(fileobj=io.BytesIO(blob)).extractfile("adapter_config.json").read())
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(tar.getnames())
+        cfg = json.loads(tar.extractfile("adapter_config.json").read())
     assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
     # Resume from an offset: the rest of the same bytes.
     h2, rest_bytes, offs2 = _download(app, final.adapter_id, offset=1000)

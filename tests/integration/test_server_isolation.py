@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 import pytest
 from helpers import FINAL, append, code_of, create_job, tiny_config, wait_state
-
 from lorad.v1 import adapters_pb2, common_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
 
 pytestmark = pytest.mark.integration
@@ -23,7 +22,7 @@ def _same_not_found(call, real_id: str, fake_id: str) -> None:
 def test_two_apps_are_isolated_over_every_rpc(make_daemon) -> None:
     d = make_daemon()
     a, _ = d.register("app-a")
-    b, b_token = d.register("app-b")
+    b, _ = d.register("app-b")
     append(a)
     job = create_job(a, steps=2)
     job = wait_state(a, job.job_id, FINAL)
@@ -37,7 +36,9 @@ def test_two_apps_are_isolated_over_every_rpc(make_daemon) -> None:
 
     # DataService
     _same_not_found(lambda x: b.data.GetDataset(data_pb2.GetDatasetRequest(dataset_id=x), metadata=md), "notes", "nope")
-    _same_not_found(lambda x: b.data.ListSamples(data_pb2.ListSamplesRequest(dataset_id=x), metadata=md), "notes", "nope")
+    _same_not_found(
+        lambda x: b.data.ListSamples(data_pb2.ListSamplesRequest(dataset_id=x), metadata=md), "notes", "nope"
+    )
     _same_not_found(lambda x: b.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id=x), metadata=md), "notes",
                     "nope")  # fmt: skip
     assert list(b.data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=md).datasets) == []

@@ -12,7 +12,6 @@ import grpc
 import pytest
 from conftest import GOOD, Stubs
 from helpers import FINAL, append, create_job, get_job, wait_for, wait_state
-
 from lorad.v1 import apps_pb2, jobs_pb2
 
 pytestmark = pytest.mark.integration
@@ -89,7 +88,7 @@ def test_job_resumes_after_restart_as_a_new_process(tmp_path: Path, tiny_llama: 
             assert steps == list(range(1, 31)), steps
         else:
             # After kill -9 the steps since the last periodic checkpoint are redone; the tail is complete.
-            assert steps[-(30 - resumed_at):] == list(range(resumed_at + 1, 31))
+            assert steps[-(30 - resumed_at) :] == list(range(resumed_at + 1, 31))
         assert done.adapter_id
         ch.close()
     finally:

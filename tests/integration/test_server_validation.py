@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from helpers import append, chat, code_of, corpus, create_job, tiny_config, wait_state, FINAL
-
+from helpers import FINAL, append, chat, code_of, corpus, create_job, tiny_config, wait_state
 from lorad.v1 import adapters_pb2, common_pb2, data_pb2, jobs_pb2
 
 pytestmark = pytest.mark.integration
@@ -31,8 +30,14 @@ def test_samples_validation_quota_and_duplicates(make_daemon) -> None:
     app, _ = d.register("notes", max_samples=40, max_sample_bytes=100_000)
     first = append(app, samples=corpus(4))
     assert first.accepted_count == 6
-    bad_role = common_pb2.Sample(chat=common_pb2.Chat(messages=[
-        common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content="hi"), common_pb2.ChatMessage(role=9, content="x")]))
+    bad_role = common_pb2.Sample(
+        chat=common_pb2.Chat(
+            messages=[
+                common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content="hi"),
+                common_pb2.ChatMessage(role=9, content="x"),
+            ]
+        )
+    )
     cases = [
         ([common_pb2.Sample(text="ok"), common_pb2.Sample(text="")], "samples[1].text"),
         ([common_pb2.Sample(text="ok"), bad_role], "samples[1].chat.messages[1].role"),
@@ -68,16 +73,19 @@ def test_samples_validation_quota_and_duplicates(make_daemon) -> None:
                                            [common_pb2.Sample(text="z" * 60_000)]))  # fmt: skip
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sample_bytes" in msg
     assert _count(app) == 7
+
     # Streaming: each message commits; a bad later message keeps the committed prefix.
     def stream():
         yield data_pb2.StreamSamplesRequest(dataset_id="streamed", samples=[common_pb2.Sample(text="a1")])
         yield data_pb2.StreamSamplesRequest(samples=[common_pb2.Sample(text="a2"), common_pb2.Sample(text="a1")])
+
     r = app.data.StreamSamples(stream(), metadata=app.md)
     assert (r.accepted_count, r.duplicate_count, r.dataset.sample_count) == (2, 1, 2)
 
     def bad_stream():
         yield data_pb2.StreamSamplesRequest(dataset_id="streamed", samples=[common_pb2.Sample(text="a3")])
         yield data_pb2.StreamSamplesRequest(dataset_id="other", samples=[common_pb2.Sample(text="a4")])
+
     code, _, trailing = code_of(lambda: app.data.StreamSamples(bad_stream(), metadata=app.md))
     assert code == IA and trailing["lorad-error-field"] == "dataset_id"
     assert _count(app, "streamed") == 3
@@ -91,10 +99,14 @@ def test_samples_validation_quota_and_duplicates(make_daemon) -> None:
         if not token:
             break
     assert len(seen) == 7 == len(set(seen))
-    code, _, trailing = code_of(lambda: app.data.ListSamples(
-        data_pb2.ListSamplesRequest(dataset_id="notes", page_token="!!"), metadata=app.md))
+    code, _, trailing = code_of(
+        lambda: app.data.ListSamples(data_pb2.ListSamplesRequest(dataset_id="notes", page_token="!!"), metadata=app.md)
+    )
     assert code == IA and trailing["lorad-error-field"] == "page_token"
-    assert app.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id="streamed"), metadata=app.md).deleted_samples == 3
+    assert (
+        app.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id="streamed"), metadata=app.md).deleted_samples
+        == 3
+    )
 
 
 def test_jobs_validation_idempotency_transitions_quota(make_daemon) -> None:
