@@ -30,7 +30,6 @@ from lorad.client.types import (
 
 APP_ID = "mara-notes"
 DATASET_ID = "mara"
-SYSTEM = "You are Mara Lindqvist's personal assistant. Answer her questions about her own life briefly."
 
 
 @dataclass(frozen=True)
@@ -108,10 +107,12 @@ def training_config(s: DemoSettings) -> TrainingConfig:
 
 
 def ask(c: Client, questions: list[Question], adapter: str | None, max_tokens: int) -> list[str]:
-    """Greedy answers to each question, with or without the adapter."""
+    """Greedy answers to each question, with or without the adapter.
+
+    No system message: the training chats have none, so the questions are rendered exactly like them.
+    """
     return [
-        c.generate_text(q.question, adapter=adapter, system=SYSTEM, max_tokens=max_tokens, temperature=0.0).strip()
-        for q in questions
+        c.generate_text(q.question, adapter=adapter, max_tokens=max_tokens, temperature=0.0).strip() for q in questions
     ]
 
 

@@ -190,3 +190,12 @@ def test_device_status(fake: FakeDaemon) -> None:
 def test_wait_ready_times_out_clearly(tmp_path) -> None:
     with lc.Client(str(tmp_path / "none.sock"), "t", retry=FAST_RETRY) as c, pytest.raises(lc.Unavailable):
         c.wait_ready(timeout=0.3)
+
+
+def test_sync_watch_abandoned_early_does_not_hang(fake: FakeDaemon) -> None:
+    with app_client(fake) as c:
+        job = c.create_job(["d"])  # never finishes
+        for u in c.watch(job):
+            assert u.event.state is lc.JobState.QUEUED
+            break
+        assert c.get_job(job).state is lc.JobState.QUEUED  # the client still works after the abandoned stream
