@@ -68,6 +68,10 @@ class ResolvedPlan:
             raise KeyError(f"layer {name!r} is not in the bundle's precision plan")
         return self.layers[name]
 
+    def precisions(self, name: str) -> tuple[str, str]:
+        """Same as for_layer (the lorad.kernels.PrecisionPlan spelling)."""
+        return self.for_layer(name)
+
     def to_dict(self) -> dict[str, dict[str, str]]:
         """``{layer: {"fwd": p, "bwd": p}}``."""
         return {k: {"fwd": f, "bwd": b} for k, (f, b) in self.layers.items()}
