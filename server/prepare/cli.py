@@ -46,9 +46,18 @@ def prepare_main(argv: list[str]) -> int:
         0 on success, 2 on bad arguments, 1 when building or checking fails (the reason goes to stderr).
     """
     args = _parser().parse_args(argv)
-    if not structlog.is_configured():
-        # A CLI run: per-graph debug events would drown the summary.
+    configured_here = not structlog.is_configured()
+    if configured_here:
+        # Per-graph debug events would drown the summary; undone on return so in-process callers keep theirs.
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        return _run(args)
+    finally:
+        if configured_here:
+            structlog.reset_defaults()
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.list_socs:
         for t in SOCS:
             print(f"{t.chip:8s} {t.name:38s} soc_model={t.soc_model:3s} htp_arch={t.htp_arch}")
