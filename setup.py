@@ -19,4 +19,11 @@ def _packages() -> list[str]:
     return found
 
 
-setup(packages=_packages(), package_data={"lorad.v1": ["*.pyi", "py.typed"], "lorad": ["py.typed"]})
+setup(
+    packages=_packages(),
+    package_data={
+        "lorad": ["py.typed"],
+        "lorad.v1": ["*.pyi", "*.proto"],
+        "lorad.client": ["demo_data/*.jsonl", "demo_data/*.json"],
+    },
+)

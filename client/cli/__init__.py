@@ -59,12 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose arguments all belong to a daemon-side parser (argparse.REMAINDER cannot take a leading `--x`).
+_PASSTHROUGH = frozenset({"serve", "prepare"})
+_GLOBAL_VALUE_OPTIONS = frozenset({"--target", "--token", "--data-dir", "--timeout"})
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Splits `lorad [global options] serve|prepare ARGS...` into the CLI's part and the passed-through ARGS."""
+    for i, token in enumerate(argv):
+        if token in _PASSTHROUGH and (i == 0 or argv[i - 1] not in _GLOBAL_VALUE_OPTIONS):
+            return argv[: i + 1], argv[i + 1 :]
+    return argv, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one `lorad` command and returns its exit code (see `lorad --help`)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    head, passthrough = _split_passthrough(args_list)
     parser = build_parser()
     try:
-        args = parser.parse_args(args_list)
+        args = parser.parse_args(head)
+        if passthrough:
+            args.daemon_args = passthrough
     except SystemExit as exc:  # argparse exits 2 on usage errors and 0 for --help
         return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
     as_json = bool(opt(args, "json", False))

@@ -67,6 +67,15 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     srv.add_argument("daemon_args", nargs=argparse.REMAINDER)
     srv.set_defaults(func=serve)
 
+    prep = sub.add_parser(
+        "prepare",
+        help="build QNN NPU context bundles for a target SoC on a host (needs `pip install 'lorad[server]'`)",
+        add_help=False,
+        description="All arguments are passed to `lorad.server.prepare`; `lorad prepare --help` shows its options.",
+    )
+    prep.add_argument("daemon_args", nargs=argparse.REMAINDER)
+    prep.set_defaults(func=prepare)
+
 
 def adapters_list(args: argparse.Namespace) -> int:
     """Lists adapters."""
@@ -236,8 +245,23 @@ def status(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Runs the daemon (lorad.server.serve_main), imported only here so the SDK stays torch-free."""
+    argv = list(args.daemon_args)
+    if opt(args, "data_dir") and "--data-dir" not in argv:  # `lorad --data-dir X serve` means the same
+        argv = ["--data-dir", str(opt(args, "data_dir")), *argv]
+    return _run_server_command("serve_main", argv)
+
+
+def prepare(args: argparse.Namespace) -> int:
+    """Runs `lorad prepare` (lorad.server.prepare.prepare_main), imported only here."""
+    return _run_server_command("prepare_main", list(args.daemon_args), module="lorad.server.prepare")
+
+
+def _run_server_command(entry: str, argv: list[str], module: str = "lorad.server") -> int:
+    """Imports a daemon-side entry point lazily, with a clear error when the server extra is missing."""
+    import importlib
+
     try:
-        from lorad import server
+        server = importlib.import_module(module)
     except ImportError as exc:
         print(
             f"lorad: error: the daemon is not installed ({exc}). Install it with `pip install 'lorad[server]'` "
@@ -245,15 +269,12 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    serve_main = getattr(server, "serve_main", None)
-    if serve_main is None:
+    main = getattr(server, entry, None)
+    if main is None:
         print(
-            "lorad: error: this lorad.server has no serve_main entry point (a daemon build without the server "
+            f"lorad: error: this {module} has no {entry} entry point (a daemon build without the server "
             "part); update lorad to a version whose daemon is complete",
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    argv = list(args.daemon_args)
-    if opt(args, "data_dir") and "--data-dir" not in argv:  # `lorad --data-dir X serve` means the same
-        argv = ["--data-dir", str(opt(args, "data_dir")), *argv]
-    return int(serve_main(argv) or 0)
+    return int(main(argv) or 0)

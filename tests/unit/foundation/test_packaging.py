@@ -31,6 +31,7 @@ def test_wheel_installs_only_the_lorad_root(wheel: Path) -> None:
     for pkg in ("client", "server", "kernels", "v1"):
         assert f"lorad/{pkg}/__init__.py" in names, pkg
     assert "lorad/v1/jobs_pb2.pyi" in names  # typed stubs ship with the generated code
+    assert "lorad/client/demo_data/mara.jsonl" in names  # the demo runs from a plain install too
 
 
 def test_base_install_is_the_sdk_only(wheel: Path) -> None:

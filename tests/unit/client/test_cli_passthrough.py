@@ -1,0 +1,20 @@
+"""`lorad serve` and `lorad prepare` hand every argument, options included, to the daemon-side parser."""
+
+import pytest
+
+from lorad.client.cli import _split_passthrough, main
+
+
+def test_split_keeps_global_options_and_passes_the_rest() -> None:
+    assert _split_passthrough(["--json", "serve", "--help"]) == (["--json", "serve"], ["--help"])
+    assert _split_passthrough(["--data-dir", "/d", "prepare", "--soc", "SM8650"]) == (
+        ["--data-dir", "/d", "prepare"],
+        ["--soc", "SM8650"],
+    )
+    # An option value spelled like a command is not the command.
+    assert _split_passthrough(["--token", "serve", "status"]) == (["--token", "serve", "status"], [])
+
+
+def test_prepare_list_socs_runs_the_daemon_side_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["prepare", "--list-socs"]) == 0
+    assert "SM8650" in capsys.readouterr().out
