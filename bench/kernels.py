@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    result: dict[str, Any] = {"tokens": args.tokens, "threads": threads, "torch": torch.__version__, "models": {}}
+    # The host is shared; load average tells a reader whether contention inflated the numbers.
+    result: dict[str, Any] = {"tokens": args.tokens, "threads": threads, "torch": torch.__version__,
+                              "loadavg_start": os.getloadavg()[0], "models": {}}  # fmt: skip
     for model in args.models.split(","):
         spec = MODELS[model]
         shapes = [(n, o, i, bb, spec["layers"]) for n, o, i, bb in spec["linears"]]
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k:<18} step {v['step_ms']:9.1f} ms  {v['frozen_tokens_per_s']:9.0f} tok/s  "
                   f"x{v['ratio']:.2f} vs torch fp32  weights {v['weight_bytes'] / 2**20:8.1f} MiB")  # fmt: skip
         sys.stdout.flush()
+    result["loadavg_end"] = os.getloadavg()[0]
+    print(f"\nload average: start {result['loadavg_start']:.2f}, end {result['loadavg_end']:.2f} ({threads} cores)")
     if args.json:
         print(json.dumps(result))
     return 0

@@ -7,9 +7,13 @@ Overview (DESIGN.md §2, notes/qnn_htp.md):
   * ``torch``: reference; fp32 exact, other precisions emulated by fake-quant so the planner runs on any host.
   * ``ort-cpu``: ONNX Runtime CPU EP, the fast path on x86. fp32 and w8a8. One weight copy serves both
     directions (fp32 W or one int8 per-channel W fed as a graph input to a forward and a backward session).
-  * ``qnn-htp``: onnxruntime-qnn plugin EP; static token buckets, FP16 graphs, EP-context cache on disk.
+  * ``qnn-htp``: onnxruntime-qnn plugin EP; static token buckets (pad, strip), FP16 graphs with the weight as a
+    graph input (one host copy; weight-free graphs shared by all layers of a shape) or QDQ graphs for
+    w8a16/w8a8/w4a16 (per-channel int weights, per-call per-row activation rescale); EP-context cache on disk;
+    CPU fallback always disabled; every graph audited against the EP's silent-wrong cases (``audit_graph``).
 - ``LoRALinear(frozen, rank, alpha)``: ``y = frozen(x) + s·(drop(x)·Aᵀ)·Bᵀ``; frozen calls go through the single
-  ``NpuQueue`` worker while the caller thread computes the LoRA terms (and dA, dB in backward).
+  ``NpuQueue`` worker while the caller thread computes the LoRA terms (and dA, dB in backward). CPU backends use
+  an inline queue (same cores, nothing to overlap; a thread hand-off costs 11-22 us or more under load).
 - ``plan_precision`` measures, per layer and precision, how far dA/dB/dX move from the fp32 run and picks the
   cheapest plan within an error budget (``PrecisionPlan``, JSON-serializable, ``.table()``).
 - ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.

@@ -8,6 +8,10 @@ single numpy buffer held here is the only copy (ORT would otherwise keep a prepa
   fused in the GEMM epilogue). Backward ``dy·diag(s)·Wq``: fold s into dy, then ``DynamicQuantizeMatMul`` against
   the same int8 tensor, which is already the [K=out, N=in] layout the backward product needs.
 Shapes are dynamic (symbolic T), so no padding is needed on the CPU.
+Measured (2-core EPYC, T=256): a prepacked int8 initializer is ~2x faster than a graph input only for the 28 MB
+lm_head (25 vs 52 ms fwd) and 10-20% for block linears, at the cost of a second packed copy per direction, so one
+copy wins. IOBinding with ORT-allocated outputs aliases the output buffer across runs, and binding a fresh torch
+output was no faster than ``run()`` (367 vs 373 us at 576x576), so plain ``run()`` is used.
 """
 
 from __future__ import annotations
