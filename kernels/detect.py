@@ -75,6 +75,11 @@ def _soc() -> tuple[str, str]:
     return env_soc or known[0], env_arch or known[1]
 
 
+def qnn_target() -> tuple[str, str]:
+    """(soc_model, htp_arch) the QNN sessions of this process are built for (env override, known SoC, simulator)."""
+    return _soc()
+
+
 def _run_probe() -> dict[str, Any]:
     avail: dict[str, str] = {"torch": "ok"}
     try:
