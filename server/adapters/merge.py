@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -25,7 +26,7 @@ _COPY = (
 )
 
 
-def merge_weights(base: dict[str, torch.Tensor], adapter: Adapter) -> dict[str, torch.Tensor]:
+def merge_weights(base: Mapping[str, torch.Tensor], adapter: Adapter) -> dict[str, torch.Tensor]:
     """W' = W + (alpha/r)·B·A for every adapted projection; other tensors are passed through (float32).
 
     Raises:

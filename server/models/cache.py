@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class CheckpointDir:
     source: str
 
 
-def weights_hash(weights: dict[str, Tensor]) -> str:
+def weights_hash(weights: Mapping[str, Tensor]) -> str:
     """sha256 over tensor names, dtypes, shapes and bytes in name order (independent of file layout)."""
     h = hashlib.sha256()
     for name in sorted(weights):

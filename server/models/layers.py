@@ -45,7 +45,7 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim with a frozen weight (no weight gradient)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RMSNorm.apply(x, weight, eps)  # type: ignore[no-any-return]
+        return _RMSNorm.apply(x, weight, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -85,7 +85,7 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """SiLU-gated linear unit used by Llama/Qwen MLPs."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SwiGLU.apply(gate, up)  # type: ignore[no-any-return]
+        return _SwiGLU.apply(gate, up)
     return torch.nn.functional.silu(gate) * up
 
 
@@ -115,7 +115,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]  # noqa: PLR0917 (autograd.Function takes positional args)
+    def forward(  # noqa: PLR0917 (autograd.Function takes positional args)
         ctx: Any, h: Tensor, labels: Tensor, head: FrozenMatmul, chunk: int, denom: float
     ) -> Tensor:
         need_grad = bool(ctx.needs_input_grad[0])
@@ -162,4 +162,4 @@ def linear_cross_entropy(
     if n == 0:
         return (h * 0.0).sum()
     denom = float(n) if reduction == "mean" else 1.0
-    return _LinearCrossEntropy.apply(h.index_select(0, idx), labels.index_select(0, idx), head, chunk, denom)  # type: ignore[no-any-return]
+    return _LinearCrossEntropy.apply(h.index_select(0, idx), labels.index_select(0, idx), head, chunk, denom)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lorad.kernels import LoRALinear
 from lorad.kernels.torch_backend import TorchFrozenLinear
 from lorad.server.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.models.kv_cache import KVCache
@@ -31,10 +32,12 @@ class QueuedMatmul:
         self.in_features, self.out_features = frozen.in_features, frozen.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.queue.submit(self.frozen.forward, x).result()  # type: ignore[no-any-return]
+        out: Tensor = self.queue.submit(self.frozen.forward, x).result()
+        return out
 
     def input_grad(self, dy: Tensor) -> Tensor:
-        return self.queue.submit(self.frozen.input_grad, dy).result()  # type: ignore[no-any-return]
+        out: Tensor = self.queue.submit(self.frozen.input_grad, dy).result()
+        return out
 
 
 OWN = "own"
@@ -44,7 +47,7 @@ OWN = "own"
 class Linear(nn.Module):
     """One frozen projection (kernel backend) with a LoRA path; `name` is the HF module name."""
 
-    def __init__(self, frozen: Any, lora: nn.Module, name: str, rank: int) -> None:
+    def __init__(self, frozen: Any, lora: LoRALinear, name: str, rank: int) -> None:
         super().__init__()
         self.frozen = frozen  # lorad.kernels FrozenLinear; not an nn.Module, owns the backend weights
         self.lora = lora
@@ -65,13 +68,17 @@ class Linear(nn.Module):
 
     def _frozen_forward(self, x2: Tensor) -> Tensor:
         if isinstance(self.frozen, TorchFrozenLinear):  # plain torch is thread-safe: skip the ~60 us queue hop
-            return self.frozen.forward(x2)  # type: ignore[no-any-return]
+            return self.frozen.forward(x2)
         # Through the backend queue: NPU calls stay serialised even while a training job runs.
-        return self.lora.queue.submit(self.frozen.forward, x2).result()  # type: ignore[no-any-return]
+        out: Tensor = self.lora.queue.submit(self.frozen.forward, x2).result()
+        return out
 
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE (and per-head q/k RMSNorm for Qwen3)."""
+
+    q_norm: Tensor
+    k_norm: Tensor
 
     def __init__(self, cfg: ModelConfig, q: Linear, k: Linear, v: Linear, o: Linear, *, norms: dict[str, Tensor]):
         super().__init__()
@@ -123,6 +130,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
+    input_layernorm: Tensor
+    post_attention_layernorm: Tensor
+
     def __init__(self, cfg: ModelConfig, attn: Attention, mlp: MLP, in_norm: Tensor, post_norm: Tensor) -> None:
         super().__init__()
         self.cfg = cfg
@@ -140,6 +150,10 @@ class Block(nn.Module):
 
 class CausalLM(nn.Module):
     """The decoder. Build it with `lorad.server.models.build.build_model`; only LoRA tensors are parameters."""
+
+    embed_tokens: Tensor
+    norm: Tensor
+    inv_freq: Tensor
 
     def __init__(
         self,
