@@ -118,6 +118,7 @@ class Daemon:
         for name in ("", *SERVICE_NAMES):
             await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         s = self.services
+        ok = True
         if s is not None:
             ok = await asyncio.to_thread(s.runner.close, self.cfg.server.checkpoint_timeout_seconds)
             log.info("runner_stopped", checkpointed=ok)
@@ -127,7 +128,7 @@ class Daemon:
             await s.monitor.stop()
         if self.server is not None:
             await self.server.stop(self.cfg.server.shutdown_grace_seconds)
-        if s is not None and (ok if s is not None else True):
+        if s is not None and ok:  # a worker still inside a step keeps the connection until the process exits
             s.db.close()
         if self.socket_path.exists():
             self.socket_path.unlink()

@@ -91,6 +91,26 @@ def test_end_to_end(make_daemon, tcp: bool) -> None:
     assert 1 <= pieces[-1].token_count <= 8
     assert all(p.finish_reason == 0 for p in pieces[:-1])
     assert get_state(app, job.job_id) in FINAL
+    if tcp:
+        return
+    # The derived formats: llama.cpp GGUF LoRA and the merged model, each with its own size and digest.
+    for fmt, magic in ((adapters_pb2.ADAPTER_FORMAT_GGUF, b"GGUF"), (adapters_pb2.ADAPTER_FORMAT_MERGED, None)):
+        h, data, _ = _download(app, final.adapter_id, fmt=fmt)
+        assert h.format == fmt and h.total_size_bytes == len(data) and hashlib.sha256(data).hexdigest() == h.sha256
+        if magic:
+            assert data[:4] == magic
+        else:
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                assert {"config.json", "model.safetensors"} <= set(tar.getnames())
+    # A chat prompt with a stop string: the text never contains the stop string.
+    from lorad.v1 import common_pb2
+
+    prompt = common_pb2.Chat(messages=[common_pb2.ChatMessage(role=common_pb2.ROLE_USER, content="What is note 3?")])
+    out = list(app.inference.Generate(
+        inference_pb2.GenerateRequest(adapter_id=final.adapter_id, chat=prompt, max_tokens=12, stop=["e"]),
+        metadata=app.md, timeout=60))  # fmt: skip
+    text = "".join(p.text for p in out)
+    assert "e" not in text and out[-1].finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def get_state(app, job_id):
