@@ -10,7 +10,7 @@ from typing import Any
 from grpc import aio
 from lorad.server import validation as v
 from lorad.server.domain import JobSpec
-from lorad.server.errors import InvalidArgument, NotFound
+from lorad.server.errors import InvalidArgument, NotFound, Unauthenticated
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.scheduler.windows import WindowScheduler
@@ -107,7 +107,8 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 continue
             await self.s.hub.wait_change(seen, WATCH_POLL_S)
             # Revocation is immediate for streams too: re-check the token's app is still active.
-            await asyncio.to_thread(self.s.apps.get, app_id)
+            if (await asyncio.to_thread(self.s.apps.get, app_id)).revoked:
+                raise Unauthenticated("unknown or revoked token")
 
     async def ListJobEvents(self, request: jobs_pb2.ListJobEventsRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
