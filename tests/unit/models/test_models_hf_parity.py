@@ -98,3 +98,22 @@ def test_precision_plan_sets_each_layer(hf_dirs: dict[str, Path]) -> None:
     f = model.layers[0].self_attn.q_proj.frozen
     assert (f.precision_fwd, f.precision_bwd) == ("fp16", "w8a16")
     assert model.layers[1].self_attn.q_proj.frozen.precision_fwd == "fp32"  # not in the plan -> reference
+
+
+@pytest.mark.parametrize(("backend", "atol"), [("ort-cpu", 1e-4)])
+def test_other_backend_matches_torch(hf_dirs: dict[str, Path], backend: str, atol: float) -> None:
+    pytest.importorskip("onnxruntime")
+    path = hf_dirs["qwen2"]
+    cfg, w = read_config(path), read_weights(path)
+    ref = build_model(cfg, w, lora=LoraConfig(rank=2, alpha=4))
+    other = build_model(cfg, w, backend=backend, lora=LoraConfig(rank=2, alpha=4))
+    other.load_lora_state_dict({k: torch.randn_like(v) * 0.1 for k, v in ref.lora_state_dict().items()})
+    ref.load_lora_state_dict(other.lora_state_dict())
+    ids = torch.randint(0, VOCAB, (1, 17), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    l_ref, l_other = ref(ids, labels), other(ids, labels)
+    l_ref.backward()
+    l_other.backward()
+    assert abs(float(l_ref.detach()) - float(l_other.detach())) < atol
+    for p, q in zip(ref.parameters(), other.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=atol * 10), (p.grad - q.grad).abs().max()
