@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextvars
+import errno
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -11,7 +13,7 @@ import grpc
 import structlog
 from grpc import aio
 from lorad.server.auth import Authenticator, Principal
-from lorad.server.errors import InvalidArgument, LoradError, Unauthenticated, Unavailable
+from lorad.server.errors import InvalidArgument, LoradError, ResourceExhausted, Unauthenticated, Unavailable
 from lorad.server.rpc.errors import status_for, trailing_metadata
 from lorad.server.rpc.wire import Undecodable, bad_utf8_path, lenient
 
@@ -70,6 +72,15 @@ class AuthInterceptor(aio.ServerInterceptor):
         return PRINCIPAL.set(p)
 
 
+def _environment_error(exc: Exception) -> LoradError | None:
+    """A full disk (ENOSPC from a file write, SQLITE_FULL from the store) is RESOURCE_EXHAUSTED, not UNKNOWN."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return ResourceExhausted("no space left on the device; free some space and retry")
+    if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+        return ResourceExhausted("the database cannot grow: no space left on the device; free some space and retry")
+    return None
+
+
 def _checked(request: Any) -> Any:
     """The request, or InvalidArgument naming the field that is not UTF-8."""
     if isinstance(request, Undecodable):
@@ -103,6 +114,10 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
                 return await inner(request, context)
             except LoradError as exc:
                 await _fail(context, method, exc)
+            except Exception as exc:
+                if (mapped := _environment_error(exc)) is None:
+                    raise
+                await _fail(context, method, mapped)
             finally:
                 PRINCIPAL.reset(token)
 
@@ -122,6 +137,10 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
                 yield item
         except LoradError as exc:
             await _fail(context, method, exc)
+        except Exception as exc:
+            if (mapped := _environment_error(exc)) is None:
+                raise
+            await _fail(context, method, mapped)
         finally:
             PRINCIPAL.reset(token)
 
