@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -175,4 +176,10 @@ def serve_main(argv: Sequence[str]) -> int:
         return asyncio.run(_serve(cfg))
     except grpc.RpcError as exc:  # e.g. the socket cannot be bound
         log.error("daemon_failed", error=str(exc)[:300])
+        return 1
+    except sqlite3.DatabaseError as exc:  # a corrupt or foreign lorad.sqlite: say which file, no traceback
+        db = cfg.data_dir / "lorad.sqlite"
+        log.error("store_unreadable", path=str(db), error=str(exc)[:300])
+        print(f"lorad: cannot open the database {db}: {exc}; restore it from a backup or move it aside "
+              "(a new, empty one is created at the next start)", file=sys.stderr)
         return 1
