@@ -180,6 +180,9 @@ def serve_main(argv: Sequence[str]) -> int:
     except sqlite3.DatabaseError as exc:  # a corrupt or foreign lorad.sqlite: say which file, no traceback
         db = cfg.data_dir / "lorad.sqlite"
         log.error("store_unreadable", path=str(db), error=str(exc)[:300])
-        print(f"lorad: cannot open the database {db}: {exc}; restore it from a backup or move it aside "
-              "(a new, empty one is created at the next start)", file=sys.stderr)
+        print(
+            f"lorad: cannot open the database {db}: {exc}; restore it from a backup or move it aside "
+            "(a new, empty one is created at the next start)",
+            file=sys.stderr,
+        )
         return 1

@@ -8,12 +8,11 @@ import tarfile
 import threading
 from pathlib import Path
 
-from safetensors import SafetensorError
-
 from lorad.server.domain import AdapterRec
 from lorad.server.errors import FailedPrecondition
 from lorad.server.jobs.files import remove_tree
 from lorad.server.modelhost import ModelHost
+from safetensors import SafetensorError
 
 CHUNK = 1024 * 1024  # DownloadAdapter chunks are at most 1 MiB
 _locks: dict[str, threading.Lock] = {}
@@ -111,8 +110,10 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, in
             except FileNotFoundError as exc:
                 raise FailedPrecondition(f"cannot export {fmt}: base model unavailable ({exc})") from None
             except (SafetensorError, ValueError, KeyError) as exc:  # torn or tampered adapter files on disk
-                raise FailedPrecondition(f"cannot export {fmt}: adapter {rec.adapter_id} is corrupt on disk "
-                                         f"({type(exc).__name__}); delete it and train again") from None
+                raise FailedPrecondition(
+                    f"cannot export {fmt}: adapter {rec.adapter_id} is corrupt on disk "
+                    f"({type(exc).__name__}); delete it and train again"
+                ) from None
             tmp = digest.with_name(".tmp-" + digest.name)
             tmp.write_text(_sha256(dest))
             _fsync_replace(tmp, digest)

@@ -66,16 +66,16 @@ class Generator:
         self._adapters: dict[str, Any] = {}
 
     def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
-        from safetensors import SafetensorError
-
         from lorad.server.adapters import load_adapter
+        from safetensors import SafetensorError
 
         if rec.adapter_id not in self._adapters:
             try:
                 ad = load_adapter(Path(rec.path))
             except (SafetensorError, ValueError, KeyError) as exc:  # torn or tampered files on disk
-                raise FailedPrecondition(f"adapter {rec.adapter_id} is corrupt on disk ({type(exc).__name__}); "
-                                         "delete it and train again") from None
+                raise FailedPrecondition(
+                    f"adapter {rec.adapter_id} is corrupt on disk ({type(exc).__name__}); delete it and train again"
+                ) from None
             try:
                 ad.check_base(loaded.model_hash, loaded.tokenizer_hash)
             except ValueError as exc:  # AdapterBaseMismatchError: another base or tokenizer
