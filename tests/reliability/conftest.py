@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import REPO, tiny_model  # noqa: E402
+from harness import REPO, tiny_model
 
 
 class Tally:

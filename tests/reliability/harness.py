@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from lorad.v1 import (
     adapters_pb2_grpc,
     apps_pb2,
@@ -116,8 +115,10 @@ class _Base:
         return (self.data_dir / "owner.token").read_text().strip()
 
     def channel(self) -> grpc.Channel:
-        ch = grpc.insecure_channel(f"unix:{self.socket_path}", options=[("grpc.max_receive_message_length", 64 << 20),
-                                                                      ("grpc.max_send_message_length", 64 << 20)])
+        ch = grpc.insecure_channel(
+            f"unix:{self.socket_path}",
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
         self.channels.append(ch)
         return ch
 
@@ -333,8 +334,11 @@ def wait_state(stubs: Stubs, job_id: str, states: set[int], timeout_s: float = 1
 def all_events(stubs: Stubs, job_id: str, after: int = 0) -> list[Any]:
     out: list[Any] = []
     while True:
-        r = stubs.jobs.ListJobEvents(jobs_pb2.ListJobEventsRequest(job_id=job_id, after_event_id=after,
-                                                                   page_size=1000), metadata=stubs.md, timeout=10)
+        r = stubs.jobs.ListJobEvents(
+            jobs_pb2.ListJobEventsRequest(job_id=job_id, after_event_id=after, page_size=1000),
+            metadata=stubs.md,
+            timeout=10,
+        )
         out += list(r.events)
         if not r.has_more or not r.events:
             return out

@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
-
 from lorad.v1 import adapters_pb2, apps_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
 
 MODULES = (apps_pb2, data_pb2, jobs_pb2, adapters_pb2, inference_pb2, device_pb2)
@@ -44,8 +43,9 @@ def all_rpcs() -> list[Rpc]:
     return out
 
 
-def call_raw(channel: grpc.Channel, rpc: Rpc, payloads: Iterable[bytes] | bytes, md: tuple = (),
-             timeout: float = 10.0) -> tuple[grpc.StatusCode, str, list[bytes]]:
+def call_raw(
+    channel: grpc.Channel, rpc: Rpc, payloads: Iterable[bytes] | bytes, md: tuple = (), timeout: float = 10.0
+) -> tuple[grpc.StatusCode, str, list[bytes]]:
     """Sends raw request bytes (a list for client streams); returns (code, details, raw responses)."""
     try:
         if rpc.client_streaming:

@@ -24,7 +24,6 @@ from harness import (
     get_job,
     wait_state,
 )
-
 from lorad.v1 import adapters_pb2, jobs_pb2
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
@@ -131,7 +130,7 @@ def test_kill9_during_ingestion_and_training(tmp_path: Path, tiny_llama: Path, t
 
     def restart_and_verify(where: str) -> None:
         nonlocal app, survived
-        newest, problems = _check_disk(d, "alpha")
+        _newest, problems = _check_disk(d, "alpha")
         assert not problems, f"after kill ({where}): {problems}"
         d.start()
         app = d.stubs(token)
@@ -157,7 +156,7 @@ def test_kill9_during_ingestion_and_training(tmp_path: Path, tiny_llama: Path, t
 
     # 2) kills during training (with ingestion running alongside), at seeded random steps.
     job = create_job(app, "crash-job", ("train",), steps=STEPS, checkpoint_every_steps=3, eval_every_steps=10)
-    targets = sorted(rng.sample(range(1, STEPS), TRAIN_KILLS)) + [STEPS]
+    targets = [*sorted(rng.sample(range(1, STEPS), TRAIN_KILLS)), STEPS]
     resumed: list[tuple[int, int]] = []  # (newest checkpoint on disk at the kill, first step trained after restart)
     after = 0
     for k, target in enumerate(targets):

@@ -25,7 +25,6 @@ from harness import (
     get_job,
     wait_state,
 )
-
 from lorad.v1 import adapters_pb2, common_pb2, device_pb2, inference_pb2, jobs_pb2
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
@@ -40,7 +39,7 @@ def test_backend_failing_mid_job_fails_the_job_cleanly(tmp_path: Path, tiny_llam
     calls = {"n": 0}
     real = torch_backend.TorchFrozenLinear.forward
 
-    def failing(self, x):  # noqa: ANN001
+    def failing(self, x):
         calls["n"] += 1
         if calls["n"] >= 40:
             raise RuntimeError("injected NPU fault: QNN graph execute returned 6031")
@@ -73,7 +72,9 @@ def test_backend_failing_mid_job_fails_the_job_cleanly(tmp_path: Path, tiny_llam
 def tmpfs(tmp_path: Path):
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], check=False, capture_output=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount tmpfs: {r.stderr.decode()[:200]}")
     yield mnt
@@ -178,10 +179,20 @@ def test_corrupt_adapter_is_a_clear_error_on_use(trained, tally) -> None:
     rec_dir = next((d.data_dir / "apps" / "cor" / "adapters").glob(f"{done.adapter_id}/peft"))
     w = rec_dir / "adapter_model.safetensors"
     w.write_bytes(b"not a safetensors file" * 10)
-    c1, m1 = code_of(lambda: app.inference.Generate(inference_pb2.GenerateRequest(
-        adapter_id=done.adapter_id, text="hello", max_tokens=2), metadata=app.md, timeout=60))
-    c2, m2 = code_of(lambda: app.adapters.DownloadAdapter(adapters_pb2.DownloadAdapterRequest(
-        adapter_id=done.adapter_id, format=adapters_pb2.ADAPTER_FORMAT_GGUF), metadata=app.md, timeout=60))
+    c1, m1 = code_of(
+        lambda: app.inference.Generate(
+            inference_pb2.GenerateRequest(adapter_id=done.adapter_id, text="hello", max_tokens=2),
+            metadata=app.md,
+            timeout=60,
+        )
+    )
+    c2, m2 = code_of(
+        lambda: app.adapters.DownloadAdapter(
+            adapters_pb2.DownloadAdapterRequest(adapter_id=done.adapter_id, format=adapters_pb2.ADAPTER_FORMAT_GGUF),
+            metadata=app.md,
+            timeout=60,
+        )
+    )
     tally.number("fault: corrupt adapter", {"Generate": (c1.name, m1[:100]), "Download GGUF": (c2.name, m2[:100])})
     bad = [f"{n} → {c.name} {m[:120]!r}" for n, (c, m) in (("Generate", (c1, m1)), ("DownloadAdapter", (c2, m2)))
            if c not in CLEAR_CODES]  # fmt: skip
@@ -207,9 +218,11 @@ def test_corrupt_checkpoint_is_a_clear_error_or_skipped(trained, tally) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         j = get_job(app, job.job_id)
-        if j.state in FINAL or (j.state == jobs_pb2.JOB_STATE_RUNNING and j.progress.step > 0 and
-                                any("resumed" in e.message or "restart" in e.message
-                                    for e in all_events(app, job.job_id))):
+        if j.state in FINAL or (
+            j.state == jobs_pb2.JOB_STATE_RUNNING
+            and j.progress.step > 0
+            and any("resumed" in e.message or "restart" in e.message for e in all_events(app, job.job_id))
+        ):
             break
         time.sleep(0.1)
     j = get_job(app, job.job_id)
@@ -249,8 +262,12 @@ def test_hanging_probe_means_unknown_and_no_training(tmp_path: Path, tiny_llama:
     fake.write_text("#!/bin/sh\nexec sleep 3607\n")
     fake.chmod(0o755)
     env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    d = SubprocessDaemon(tmp_path / "hang", tiny_llama, env=env,
-                         conditions={"probe": "termux", "termux_timeout_seconds": 1.0, "poll_seconds": 0.5})
+    d = SubprocessDaemon(
+        tmp_path / "hang",
+        tiny_llama,
+        env=env,
+        conditions={"probe": "termux", "termux_timeout_seconds": 1.0, "poll_seconds": 0.5},
+    )
     t0 = time.monotonic()
     d.start()
     try:
@@ -265,8 +282,11 @@ def test_hanging_probe_means_unknown_and_no_training(tmp_path: Path, tiny_llama:
         time.sleep(3)
         j = get_job(app, job.job_id)
         states = {e.state for e in all_events(app, job.job_id)}
-        tally.number("fault: hanging probe", f"start {t1 - t0:.1f}s, GetDeviceStatus {status_s * 1e3:.0f} ms, job "
-                                             f"{jobs_pb2.JobState.Name(j.state)} ({j.blocked_detail[:60]!r})")
+        tally.number(
+            "fault: hanging probe",
+            f"start {t1 - t0:.1f}s, GetDeviceStatus {status_s * 1e3:.0f} ms, job "
+            f"{jobs_pb2.JobState.Name(j.state)} ({j.blocked_detail[:60]!r})",
+        )
         assert j.state == jobs_pb2.JOB_STATE_WAITING and j.blocked_reason == jobs_pb2.BLOCKED_REASON_CONDITIONS_UNKNOWN
         assert jobs_pb2.JOB_STATE_RUNNING not in states
         assert status_s < 2.0, "a hanging probe must not block RPCs"
@@ -274,5 +294,5 @@ def test_hanging_probe_means_unknown_and_no_training(tmp_path: Path, tiny_llama:
     finally:
         d.stop()
     # The timed-out probe children were killed, not left sleeping.
-    r = subprocess.run(["pgrep", "-f", "sleep 3607"], capture_output=True, text=True)
+    r = subprocess.run(["pgrep", "-f", "sleep 3607"], check=False, capture_output=True, text=True)
     assert not r.stdout.strip(), f"leftover probe processes: {r.stdout}"

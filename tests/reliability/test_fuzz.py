@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -12,9 +12,8 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from harness import BAD, SubprocessDaemon, append, corpus, create_job, diff_snapshots, store_snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rpcs import DOCUMENTED, Rpc, all_rpcs, call_raw
-
 from lorad.v1 import common_pb2, jobs_pb2
+from rpcs import DOCUMENTED, Rpc, all_rpcs, call_raw
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
@@ -32,8 +31,8 @@ RANGES = {F.TYPE_INT32: (-(2**31), 2**31 - 1), F.TYPE_INT64: (-(2**63), 2**63 - 
 class Pool:
     """Identifiers that exist (so fuzzed requests reach deep code) plus hostile ones."""
 
-    real: list[str] = []
-    protected: set[str] = set()
+    real: ClassVar[list[str]] = []
+    protected: ClassVar[set[str]] = set()
 
 
 def _strings() -> st.SearchStrategy[str]:
@@ -129,8 +128,10 @@ def target(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     app = d.register("fz")
     append(app, "ds1", corpus(6))
     job = create_job(app, "r1", ("ds1",), steps=4)
-    sched = app.jobs.CreateSchedule(jobs_pb2.CreateScheduleRequest(
-        dataset_ids=["ds1"], window=common_pb2.TrainingWindow(cron="30 2 * * *")), metadata=app.md).schedule
+    sched = app.jobs.CreateSchedule(
+        jobs_pb2.CreateScheduleRequest(dataset_ids=["ds1"], window=common_pb2.TrainingWindow(cron="30 2 * * *")),
+        metadata=app.md,
+    ).schedule
     Pool.real = ["fz", "ds1", job.job_id, sched.schedule_id, "r1"]
     Pool.protected = set(Pool.real)
     state = {"snap": store_snapshot(d.data_dir)}
@@ -200,8 +201,9 @@ def test_oversized_messages_and_streams(target, tally) -> None:
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
             problems.append(f"{name} with an 18 MiB message → {code.name} {msg[:120]!r}")
     # 1,001 samples in one call (limit 1,000), and a 400-message stream whose messages are all invalid.
-    many = data_pb2.AppendSamplesRequest(dataset_id="ds1", samples=[common_pb2.Sample(text=f"s{i}")
-                                                                    for i in range(1001)]).SerializeToString()
+    many = data_pb2.AppendSamplesRequest(
+        dataset_id="ds1", samples=[common_pb2.Sample(text=f"s{i}") for i in range(1001)]
+    ).SerializeToString()
     code, msg, _ = call_raw(app.channel, by_name["AppendSamples"], many, app.md)
     tally.fuzz()
     if code != grpc.StatusCode.INVALID_ARGUMENT:

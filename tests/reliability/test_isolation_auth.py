@@ -23,9 +23,8 @@ from harness import (
     tiny_config,
     wait_state,
 )
-from rpcs import all_rpcs, call_raw
-
 from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
+from rpcs import all_rpcs, call_raw
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
 
@@ -41,7 +40,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     d.start()
     a = d.register(A_ID)
     b = d.register(B_ID)
-    samples = corpus(12, tag=CANARY) + [chat(f"secret {CANARY} q", f"secret {CANARY} a")]
+    samples = [*corpus(12, tag=CANARY), chat(f"secret {CANARY} q", f"secret {CANARY} a")]
     append(a, A_DS, samples)
     done = create_job(a, "a-done", (A_DS,), steps=4)
     done = wait_state(a, done.job_id, FINAL, 120)
@@ -73,28 +72,65 @@ def _b_attacks(b, ids: dict[str, str], sub: dict[str, str]) -> list[tuple[str, o
     return [
         ("GetDataset", lambda: b.data.GetDataset(data_pb2.GetDatasetRequest(dataset_id=g("dataset")), metadata=md)),
         ("ListSamples", lambda: b.data.ListSamples(data_pb2.ListSamplesRequest(dataset_id=g("dataset")), metadata=md)),
-        ("DeleteDataset", lambda: b.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id=g("dataset")),
-                                                       metadata=md)),
-        ("CreateJob", lambda: b.jobs.CreateJob(jobs_pb2.CreateJobRequest(request_id="b1", dataset_ids=[g("dataset")],
-                                                                         config=tiny_config(4)), metadata=md)),
-        ("CreateSchedule", lambda: b.jobs.CreateSchedule(jobs_pb2.CreateScheduleRequest(
-            dataset_ids=[g("dataset")], window=common_pb2.TrainingWindow(cron="0 3 * * *")), metadata=md)),
-        *[(f"{n}[{k}]", (lambda n=n, k=k: getattr(b.jobs, n)(getattr(jobs_pb2, f"{n}Request")(job_id=g(k)),
-                                                              metadata=md)))
-          for n in ("GetJob", "PauseJob", "ResumeJob", "CancelJob", "ListJobEvents", "ListCheckpoints")
-          for k in ("job", "paused_job")],
-        ("WatchJob", lambda: list(b.jobs.WatchJob(jobs_pb2.WatchJobRequest(job_id=g("job")), metadata=md,
-                                                  timeout=10))),
-        ("DeleteSchedule", lambda: b.jobs.DeleteSchedule(jobs_pb2.DeleteScheduleRequest(schedule_id=g("schedule")),
-                                                         metadata=md)),
-        ("GetAdapter", lambda: b.adapters.GetAdapter(adapters_pb2.GetAdapterRequest(adapter_id=g("adapter")),
-                                                     metadata=md)),
-        ("DownloadAdapter", lambda: list(b.adapters.DownloadAdapter(
-            adapters_pb2.DownloadAdapterRequest(adapter_id=g("adapter")), metadata=md, timeout=10))),
-        ("DeleteAdapter", lambda: b.adapters.DeleteAdapter(adapters_pb2.DeleteAdapterRequest(adapter_id=g("adapter")),
-                                                           metadata=md)),
-        ("Generate", lambda: list(b.inference.Generate(inference_pb2.GenerateRequest(
-            adapter_id=g("adapter"), text="hello", max_tokens=2), metadata=md, timeout=30))),
+        (
+            "DeleteDataset",
+            lambda: b.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id=g("dataset")), metadata=md),
+        ),
+        (
+            "CreateJob",
+            lambda: b.jobs.CreateJob(
+                jobs_pb2.CreateJobRequest(request_id="b1", dataset_ids=[g("dataset")], config=tiny_config(4)),
+                metadata=md,
+            ),
+        ),
+        (
+            "CreateSchedule",
+            lambda: b.jobs.CreateSchedule(
+                jobs_pb2.CreateScheduleRequest(
+                    dataset_ids=[g("dataset")], window=common_pb2.TrainingWindow(cron="0 3 * * *")
+                ),
+                metadata=md,
+            ),
+        ),
+        *[
+            (
+                f"{n}[{k}]",
+                (lambda n=n, k=k: getattr(b.jobs, n)(getattr(jobs_pb2, f"{n}Request")(job_id=g(k)), metadata=md)),
+            )
+            for n in ("GetJob", "PauseJob", "ResumeJob", "CancelJob", "ListJobEvents", "ListCheckpoints")
+            for k in ("job", "paused_job")
+        ],
+        ("WatchJob", lambda: list(b.jobs.WatchJob(jobs_pb2.WatchJobRequest(job_id=g("job")), metadata=md, timeout=10))),
+        (
+            "DeleteSchedule",
+            lambda: b.jobs.DeleteSchedule(jobs_pb2.DeleteScheduleRequest(schedule_id=g("schedule")), metadata=md),
+        ),
+        (
+            "GetAdapter",
+            lambda: b.adapters.GetAdapter(adapters_pb2.GetAdapterRequest(adapter_id=g("adapter")), metadata=md),
+        ),
+        (
+            "DownloadAdapter",
+            lambda: list(
+                b.adapters.DownloadAdapter(
+                    adapters_pb2.DownloadAdapterRequest(adapter_id=g("adapter")), metadata=md, timeout=10
+                )
+            ),
+        ),
+        (
+            "DeleteAdapter",
+            lambda: b.adapters.DeleteAdapter(adapters_pb2.DeleteAdapterRequest(adapter_id=g("adapter")), metadata=md),
+        ),
+        (
+            "Generate",
+            lambda: list(
+                b.inference.Generate(
+                    inference_pb2.GenerateRequest(adapter_id=g("adapter"), text="hello", max_tokens=2),
+                    metadata=md,
+                    timeout=30,
+                )
+            ),
+        ),
         ("ForgetApp", lambda: b.data.ForgetApp(data_pb2.ForgetAppRequest(app_id=A_ID), metadata=md)),
         ("RegisterApp", lambda: b.apps.RegisterApp(apps_pb2.RegisterAppRequest(app_id="evil"), metadata=md)),
         ("ListApps", lambda: b.apps.ListApps(apps_pb2.ListAppsRequest(), metadata=md)),
@@ -158,7 +194,7 @@ def test_app_b_cannot_reach_app_a(world, tally) -> None:
 
 
 def test_unauthenticated_everywhere(world, tally) -> None:
-    d, a, b, ids = world
+    d, _a, b, _ids = world
     o = d.owner()
     c = d.register("charlie")
     o.apps.RevokeApp(apps_pb2.RevokeAppRequest(app_id="charlie"), metadata=o.md, timeout=10)
@@ -194,14 +230,20 @@ def test_revocation_ends_open_watch(world, tally) -> None:
     import threading
     import time
 
-    d, a, b, ids = world
+    d, _a, _b, _ids = world
     o = d.owner()
     e = d.register("echo")
     append(e, "ds", corpus(6, tag="echo"))
     # 30 °C on the probe > 20 °C required: the job parks in WAITING and its watch stream stays open.
-    job = e.jobs.CreateJob(jobs_pb2.CreateJobRequest(
-        request_id="e1", dataset_ids=["ds"], config=tiny_config(2),
-        requirements=common_pb2.DeviceRequirements(max_temperature_celsius=20.0)), metadata=e.md).job
+    job = e.jobs.CreateJob(
+        jobs_pb2.CreateJobRequest(
+            request_id="e1",
+            dataset_ids=["ds"],
+            config=tiny_config(2),
+            requirements=common_pb2.DeviceRequirements(max_temperature_celsius=20.0),
+        ),
+        metadata=e.md,
+    ).job
     wait_state(e, job.job_id, {jobs_pb2.JOB_STATE_WAITING}, 30)
     result: dict[str, object] = {}
 
@@ -233,7 +275,7 @@ TRAVERSAL = ["../x", "..", ".", "a/b", "a\\b", "/etc", "x/../../y", "..%2f", "a\
 
 
 def test_names_with_separators_or_traversal_rejected(world, tally) -> None:
-    d, a, b, ids = world
+    d, _a, b, _ids = world
     o = d.owner()
     outside = sorted(p.name for p in d.root.parent.iterdir())
     bad = []
@@ -241,8 +283,9 @@ def test_names_with_separators_or_traversal_rejected(world, tally) -> None:
         calls = {
             "RegisterApp": lambda: o.apps.RegisterApp(apps_pb2.RegisterAppRequest(app_id=name), metadata=o.md),
             "AppendSamples": lambda: append(b, name, [common_pb2.Sample(text="t")]),
-            "CreateJob": lambda: b.jobs.CreateJob(jobs_pb2.CreateJobRequest(request_id="t", dataset_ids=[name]),
-                                                  metadata=b.md),
+            "CreateJob": lambda: b.jobs.CreateJob(
+                jobs_pb2.CreateJobRequest(request_id="t", dataset_ids=[name]), metadata=b.md
+            ),
             "ForgetApp(owner)": lambda: o.data.ForgetApp(data_pb2.ForgetAppRequest(app_id=name), metadata=o.md),
         }
         for label, fn in calls.items():
@@ -251,11 +294,15 @@ def test_names_with_separators_or_traversal_rejected(world, tally) -> None:
                 bad.append(f"{label}({name!r}) → {code.name} {msg!r}")
         for label, fn in {
             "GetJob": lambda: b.jobs.GetJob(jobs_pb2.GetJobRequest(job_id=name or "x/../y"), metadata=b.md),
-            "GetAdapter": lambda: b.adapters.GetAdapter(adapters_pb2.GetAdapterRequest(adapter_id=name or "../a"),
-                                                        metadata=b.md),
-            "base_model": lambda: b.jobs.CreateJob(jobs_pb2.CreateJobRequest(
-                request_id="bm", dataset_ids=[A_DS], config=common_pb2.TrainingConfig(base_model=name or "../m")),
-                metadata=b.md),
+            "GetAdapter": lambda: b.adapters.GetAdapter(
+                adapters_pb2.GetAdapterRequest(adapter_id=name or "../a"), metadata=b.md
+            ),
+            "base_model": lambda: b.jobs.CreateJob(
+                jobs_pb2.CreateJobRequest(
+                    request_id="bm", dataset_ids=[A_DS], config=common_pb2.TrainingConfig(base_model=name or "../m")
+                ),
+                metadata=b.md,
+            ),
         }.items():
             code, msg = code_of(fn)
             if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
@@ -294,10 +341,12 @@ def test_permissions(world, tally) -> None:
 
 
 def test_no_sample_text_or_token_in_logs_or_files(world, tally) -> None:
-    d, a, b, ids = world
+    d, a, b, _ids = world
     # Error paths that carry sample text must not echo it either.
-    for s in (common_pb2.Sample(chat=common_pb2.Chat(messages=[common_pb2.ChatMessage(role=9, content=CANARY)])),
-              common_pb2.Sample(text=CANARY * 3000)):
+    for s in (
+        common_pb2.Sample(chat=common_pb2.Chat(messages=[common_pb2.ChatMessage(role=9, content=CANARY)])),
+        common_pb2.Sample(text=CANARY * 3000),
+    ):
         code, msg = code_of(lambda s=s: append(a, A_DS, [s]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and CANARY not in msg, (code, msg)
     leaks = [f"log line {i}: {ln[:160]}" for i, ln in enumerate(d.log_lines()) if CANARY in ln]
@@ -305,9 +354,9 @@ def test_no_sample_text_or_token_in_logs_or_files(world, tally) -> None:
     leaks += [f"token in log line {i}" for i, ln in enumerate(d.log_lines()) if any(t in ln for t in tokens)]
     needle = CANARY.encode()
     for p in iter_tree(d.data_dir):
-        if p.is_file() and p.name not in ("lorad.sqlite", "lorad.sqlite-wal", "lorad.sqlite-shm"):
-            if needle in p.read_bytes():
-                leaks.append(f"file {p.relative_to(d.data_dir)}")
+        skip = ("lorad.sqlite", "lorad.sqlite-wal", "lorad.sqlite-shm")
+        if p.is_file() and p.name not in skip and needle in p.read_bytes():
+            leaks.append(f"file {p.relative_to(d.data_dir)}")
     for v in leaks:
         tally.violation(f"sample text/token leak: {v}")
     tally.number("canary: log lines scanned", len(d.log_lines()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections import defaultdict
@@ -11,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 from harness import SubprocessDaemon, append, chat, corpus, create_job, get_job, wait_state
-
 from lorad.v1 import data_pb2, device_pb2, jobs_pb2
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
@@ -100,8 +98,10 @@ def test_concurrent_clients_while_training(tmp_path: Path, tiny_llama: Path, tal
     def status(i: int) -> None:
         s = d.stubs(token)
         while not stop.is_set():
-            timed("GetDeviceStatus", lambda: s.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(),
-                                                                      metadata=s.md, timeout=30))
+            timed(
+                "GetDeviceStatus",
+                lambda: s.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=s.md, timeout=30),
+            )
             time.sleep(0.05)
 
     threads = [threading.Thread(target=f, args=(i,), daemon=True)
@@ -124,7 +124,9 @@ def test_concurrent_clients_while_training(tmp_path: Path, tiny_llama: Path, tal
     unary = [x for v in lat.values() for x in v]
     n_calls = len(unary)
     p50, p99 = _pct(unary, 0.50) * 1e3, _pct(unary, 0.99) * 1e3
-    per = {k: f"n={len(v)} p50={_pct(v, .5) * 1e3:.1f}ms p99={_pct(v, .99) * 1e3:.1f}ms" for k, v in sorted(lat.items())}
+    per = {
+        k: f"n={len(v)} p50={_pct(v, 0.5) * 1e3:.1f}ms p99={_pct(v, 0.99) * 1e3:.1f}ms" for k, v in sorted(lat.items())
+    }
     half = len(rss) // 2
     first_max = max(r for _, r in rss[:half])
     second_max = max(r for _, r in rss[half:])
