@@ -54,6 +54,9 @@ class SafetensorsWeights(Mapping[str, Tensor]):
         for f in files:
             with f.open("rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))  # header length, little-endian u64
+                size = os.fstat(fh.fileno()).st_size
+                if n > size - 8:  # a corrupt file would otherwise make us allocate n bytes (MemoryError)
+                    raise ValueError(f"{f}: not a valid safetensors file (header of {n} bytes in a {size}-byte file)")
                 header = json.loads(fh.read(n))
             for k, v in header.items():
                 if k != "__metadata__":
