@@ -18,9 +18,10 @@ from lorad.server.training.trainer import Progress, Trainer
 
 log = structlog.get_logger(__name__)
 
-# Precision used for precision="auto" until a calibrated PrecisionPlan is passed in: the cheapest precision each
-# backend runs natively (ort-cpu: one int8 per-channel weight copy for both directions; HTP: fp16 graphs).
-AUTO_PRECISION = {"torch": "fp32", "ort-cpu": "w8a8", "qnn-htp": "fp16"}
+# Precision used for precision="auto" until a calibrated PrecisionPlan is passed in. ort-cpu stays fp32: w8a8 was
+# 1.3x faster on SmolLM2-135M but its held-out loss after 30 steps was 25% above PEFT fp32 (bench/train.py, Dec 2026),
+# far outside the 2% budget. HTP runs fp16 graphs natively.
+AUTO_PRECISION = {"torch": "fp32", "ort-cpu": "fp32", "qnn-htp": "fp16"}
 
 
 @dataclass
