@@ -13,8 +13,8 @@ class TorchFrozenLinear:
     """Frozen linear in torch. Holds one weight copy per distinct precision (one when fwd == bwd precision).
 
     Quantized precisions store an int8 grid (int4 values in int8 cells, so 1 byte/weight here) plus per-channel
-    scales and dequantize per call; activations get a per-tensor per-call scale, which is what the NPU backends
-    compute with static scales and per-call rescaling.
+    scales and dequantize per call; activations get a per-row (per-token) per-call scale, which is what the ort-cpu
+    w8a8 graphs and the NPU backends' per-call rescaling compute.
     """
 
     runs_on_cpu = True  # calls run inline on the caller's thread (see queue.queue_for)

@@ -95,3 +95,23 @@ def test_mixed_precision_directions_and_memory_report() -> None:
     rep = memory_report([fp, q, mixed])
     assert rep["total_bytes"] == fp.nbytes + q.nbytes + mixed.nbytes
     assert rep["per_weight"]["b"]["precision_fwd"] == "w8a8"
+
+
+def test_ort_cpu_w8a8_scales_activations_per_row() -> None:
+    """One loud token must not coarsen the others: per-row error stays flat where per-tensor blows up."""
+    from lorad.kernels.ort_cpu import OrtCpuFrozenLinear
+
+    w, b, x, dy = _data()
+    skew = torch.ones(x.shape[0], 1)
+    skew[0] = 1e3  # an attention-sink-like row, 1000x the others
+    xs, dys = x * skew, dy * skew
+    errs = {}
+    for mode in ("row", "tensor"):
+        fl = OrtCpuFrozenLinear(w, b, precision="w8a8", precision_bwd="w8a8", name="p", act_quant=mode)
+        # Error on the quiet rows only (the loud row is fine either way).
+        y_rel = _err((fl.forward(xs) - b)[1:], (xs @ w.t())[1:])[1]
+        dx_rel = _err(fl.input_grad(dys)[1:], (dys @ w)[1:])[1]
+        errs[mode] = (y_rel, dx_rel)
+    print(errs)
+    assert max(errs["row"]) <= REL_TOL["w8a8"]
+    assert min(errs["tensor"]) > 10 * max(errs["row"])
