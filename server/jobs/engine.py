@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,44 @@ def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Any]:
     return out
 
 
+def measure_base_eval_loss(loaded: Any, cfg: Any, samples: list[Any]) -> float | None:
+    """The held-out loss of ``loaded.model`` as the trainer measures it (same split, batches and weighting).
+
+    Uses the trainer's own ``Trainer.evaluate`` on a throw-away Trainer over the same model; the global RNG state is
+    restored afterwards, so measuring does not change the training run that follows.
+
+    Returns:
+        The token-weighted mean loss, or None when the job has no held-out samples.
+    """
+    from lorad.server.training import Trainer, prepare
+    from lorad.server.training.checkpoint import capture_rng, restore_rng
+
+    tok = loaded.tokenizer
+    data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
+    rng = capture_rng()
+    trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id if tok.eos_id is not None else 0)
+    try:
+        t0 = time.perf_counter()
+        loss = trainer.evaluate()
+        log.info("eval_before_measured", loss=loss, seconds=round(time.perf_counter() - t0, 3))
+        return loss
+    finally:
+        trainer.close()
+        restore_rng(rng)
+
+
 class EngineSession:
     """One RUNNING period of a job on the real trainer (resumes from the newest checkpoint in the work dir)."""
 
-    def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend_override: str) -> None:
+    def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend_override: str,
+                 loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
+        """``loader`` has ``lorad.server.models.load_model``'s signature (default: that function)."""
         self.req, self.models, self.cache_root, self.backend_override = req, models, cache_root, backend_override
+        if loader is None:
+            from lorad.server.models.loader import load_model
+
+            loader = load_model
+        self.loader = loader
 
     def _train_config(self) -> Any:
         from lorad.server.training import ConfigError, TrainConfig
@@ -102,10 +136,26 @@ class EngineSession:
             )  # fmt: skip
             return save_adapter(out, Adapter.from_model(model, md), base_name_or_path=str(entry.source or entry.name))
 
+        samples = _training_samples(self.req.samples)
+        before = self.req.eval_loss_before
+
+        def load_and_measure(*args: Any, **kwargs: Any) -> Any:
+            # run_recipe calls this before restoring any checkpoint: the fresh adapter's B is zero, so this model
+            # computes exactly the base model's loss.
+            nonlocal before
+            loaded = self.loader(*args, **kwargs)
+            if before is None:
+                before = measure_base_eval_loss(loaded, cfg, samples)
+                if before is None:
+                    sink.notice("no held-out samples: the loss before training is not measured")
+                else:
+                    sink.eval_before(before, cfg.steps)
+            return loaded
+
         try:
             res = run_recipe(
-                cfg, _training_samples(self.req.samples), work_dir=self.req.work_dir, cache_root=self.cache_root,
-                model_source=entry.source, on_progress=on_progress, should_pause=should_stop, save_adapter=save,
+                cfg, samples, work_dir=self.req.work_dir, cache_root=self.cache_root, model_source=entry.source,
+                on_progress=on_progress, should_pause=should_stop, load=load_and_measure, save_adapter=save,
             )  # fmt: skip
         except DataError as exc:
             raise JobFailure("no_usable_samples", str(exc)) from None
@@ -136,7 +186,7 @@ class EngineSession:
             path=res.adapter_dir, base_model=entry.name, base_model_sha256=meta.get("base_model_hash", ""),
             tokenizer_sha256=meta.get("tokenizer_hash", ""), steps=res.step,
             train_loss=float(res.losses[-1]) if res.losses else float("nan"),
-            eval_loss_before=float("nan"), eval_loss_after=float(evals[-1][1]) if evals else float("nan"),
+            eval_loss_before=float("nan") if before is None else before, eval_loss_after=float(evals[-1][1]) if evals else float("nan"),
             sample_count=int(getattr(rep, "train_samples", len(self.req.samples))),
             precision_plan=(("*", res.precision, res.precision),),
         )  # fmt: skip

@@ -172,7 +172,8 @@ class Runner:
             samples = self.samples.training_samples(job.app_id, job.spec.dataset_ids, job.data_until_ms)
             work = self.layout.job_dir(job.app_id, job_id)
             work.mkdir(parents=True, exist_ok=True)
-            req = SessionRequest(job_id, job.app_id, job.spec, tuple(samples), work, self.keep)
+            req = SessionRequest(job_id, job.app_id, job.spec, tuple(samples), work, self.keep,
+                                 job.progress.eval_loss_before)  # fmt: skip
             log.info("job_running", samples=len(samples), steps=job.spec.params.max_steps)
             try:
                 outcome = self.factory(req).run(self._stop.is_set, _Sink(self, job_id))
@@ -258,6 +259,12 @@ class _Sink:
             self.r.jobs.transition(self.job_id, ON_NPU, job.state, blocked=job.blocked, detail=job.blocked_detail,
                                    backend=name)  # fmt: skip
         self.r.jobs.record(self.job_id, EventKind.NOTICE, message=f"backend {name}: {reason}")
+        self.r.hub.notify()
+
+    def eval_before(self, loss: float, total_steps: int) -> None:
+        # Stored in the job's progress, so a resumed run (or a restarted daemon) does not measure it again.
+        p = Progress(step=0, total_steps=total_steps, eval_loss=loss, eval_loss_before=loss)
+        self.r.jobs.record(self.job_id, EventKind.EVAL, progress=p, message=f"held-out loss before training {loss:.4f}")
         self.r.hub.notify()
 
     def progress(self, progress: Progress, *, evaluated: bool) -> None:

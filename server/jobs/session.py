@@ -29,6 +29,7 @@ class SessionRequest:
     samples: tuple[SampleBody, ...]
     work_dir: Path
     keep_checkpoints: int = 2
+    eval_loss_before: float | None = None  # measured on the job's first run; None = not yet (measure it)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class SessionSink(Protocol):
 
     def backend(self, name: str, reason: str) -> None:
         """The compute backend chosen for this run, and why."""
+        ...
+
+    def eval_before(self, loss: float, total_steps: int) -> None:
+        """The base model's held-out loss, measured once before the job's first step."""
         ...
 
     def progress(self, progress: Progress, *, evaluated: bool) -> None:

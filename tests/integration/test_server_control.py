@@ -49,7 +49,11 @@ def test_pause_and_resume_by_rpc_continues_from_the_checkpoint(make_daemon) -> N
     assert done.state == S.JOB_STATE_SUCCEEDED, done.error
     ev = _events(app, job.job_id)
     steps = _progress_steps(ev)
-    assert steps == list(range(1, 61)), "resume continues after the checkpoint step, no step twice"
+    # Step 0 is the base model's held-out loss, measured once: the resumed run does not measure it again.
+    assert steps == [0, *range(1, 61)], "resume continues after the checkpoint step, no step twice"
+    before = [e.progress.eval_loss_before for e in ev if e.kind == S.JOB_EVENT_KIND_EVAL and e.progress.step == 0]
+    assert len(before) == 1 and before[0] > 0
+    assert done.progress.eval_loss_before == before[0]
     assert any(e.message == f"resumed from checkpoint step {at}" for e in ev)
     states = [e.state for e in ev if e.kind == S.JOB_EVENT_KIND_STATE_CHANGED]
     assert S.JOB_STATE_PAUSING in states and S.JOB_STATE_PAUSED in states
@@ -81,7 +85,7 @@ def test_condition_monitor_pauses_and_resumes_and_npu_is_exclusive(make_daemon) 
     d.set_probe(GOOD_PROBE)
     done = wait_state(app, first.job_id, FINAL, 120)
     assert done.state == S.JOB_STATE_SUCCEEDED
-    assert _progress_steps(_events(app, first.job_id)) == list(range(1, 61))
+    assert _progress_steps(_events(app, first.job_id)) == [0, *range(1, 61)]
     assert wait_state(app, second.job_id, FINAL, 60).state == S.JOB_STATE_SUCCEEDED
     # One NPU owner: the second job only started after the first finished.
     assert get_job(app, second.job_id).started_at_ms >= done.finished_at_ms

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import tarfile
 
 import pytest
@@ -74,6 +75,13 @@ def test_end_to_end(make_daemon, tcp: bool, monkeypatch) -> None:
 
     ad = app.adapters.GetAdapter(adapters_pb2.GetAdapterRequest(adapter_id=final.adapter_id), metadata=app.md).adapter
     assert ad.steps == 6 and ad.lora.rank == 4 and len(ad.base_model_sha256) == 64
+    # The base model's held-out loss is measured before step 1 and carried to the job and the adapter.
+    first = next(e for e in events if e.kind == jobs_pb2.JOB_EVENT_KIND_EVAL)
+    assert first.progress.step == 0 and first.progress.HasField("eval_loss_before")
+    before = first.progress.eval_loss_before
+    assert math.isfinite(before) and before > 0
+    assert final.progress.eval_loss_before == before and ad.eval_loss_before == before
+    assert math.isfinite(ad.eval_loss_after) and ad.eval_loss_after != before
 
     header, blob, offsets = _download(app, final.adapter_id)
     assert header.total_size_bytes == len(blob) and hashlib.sha256(blob).hexdigest() == header.sha256
