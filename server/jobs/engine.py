@@ -186,7 +186,8 @@ class EngineSession:
             path=res.adapter_dir, base_model=entry.name, base_model_sha256=meta.get("base_model_hash", ""),
             tokenizer_sha256=meta.get("tokenizer_hash", ""), steps=res.step,
             train_loss=float(res.losses[-1]) if res.losses else float("nan"),
-            eval_loss_before=float("nan") if before is None else before, eval_loss_after=float(evals[-1][1]) if evals else float("nan"),
+            eval_loss_before=float("nan") if before is None else before,
+            eval_loss_after=float(evals[-1][1]) if evals else float("nan"),
             sample_count=int(getattr(rep, "train_samples", len(self.req.samples))),
             precision_plan=(("*", res.precision, res.precision),),
         )  # fmt: skip

@@ -14,7 +14,7 @@ from lorad.server.jobs.session import SessionRequest
 from lorad.server.modelhost import ModelHost
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from tiny_models import save_tiny_hf  # noqa: E402
+from tiny_models import save_tiny_hf
 
 
 class RecordingSink:
