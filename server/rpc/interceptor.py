@@ -61,15 +61,21 @@ class AuthInterceptor(aio.ServerInterceptor):
             return handler
         return _wrap(handler, method, self)
 
-    def begin(self, context: aio.ServicerContext, method: str) -> contextvars.Token[Principal]:
-        """Authenticates and binds context for one call (raises a LoradError)."""
+    def begin(self, context: aio.ServicerContext, method: str) -> Principal:
+        """Authenticates and binds the caller to the current context for one call (raises a LoradError).
+
+        Nothing is reset afterwards, on purpose: grpc.aio runs every RPC in its own task, whose context is a copy,
+        so the binding ends with the call. Resetting a token is also wrong for streams: a generator the client
+        abandoned is closed later by asyncio's finaliser in another task and context, where reset() raises.
+        """
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=secrets.token_hex(4), method=method.rsplit("/", 1)[-1])
         if not self.serving():
             raise Unavailable("lorad is shutting down; retry after it restarts")
         p = self.auth.authenticate(_auth_header(context))
         structlog.contextvars.bind_contextvars(app_id=p.app_id or "owner")
-        return PRINCIPAL.set(p)
+        PRINCIPAL.set(p)
+        return p
 
 
 def _environment_error(exc: Exception) -> LoradError | None:
@@ -106,7 +112,7 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
 
         async def unary(request: Any, context: aio.ServicerContext) -> Any:
             try:
-                token = ic.begin(context, method)
+                ic.begin(context, method)
             except LoradError as exc:
                 await _fail(context, method, exc)
             try:
@@ -118,8 +124,6 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
                 if (mapped := _environment_error(exc)) is None:
                     raise
                 await _fail(context, method, mapped)
-            finally:
-                PRINCIPAL.reset(token)
 
         make = grpc.unary_unary_rpc_method_handler if h.unary_unary else grpc.stream_unary_rpc_method_handler
         return make(unary, request_deserializer=deser, response_serializer=h.response_serializer)
@@ -128,7 +132,7 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
 
     async def streaming(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            token = ic.begin(context, method)
+            ic.begin(context, method)
         except LoradError as exc:
             await _fail(context, method, exc)
         try:
@@ -141,8 +145,6 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
             if (mapped := _environment_error(exc)) is None:
                 raise
             await _fail(context, method, mapped)
-        finally:
-            PRINCIPAL.reset(token)
 
     make_s = grpc.unary_stream_rpc_method_handler if h.unary_stream else grpc.stream_stream_rpc_method_handler
     return make_s(streaming, request_deserializer=deser, response_serializer=h.response_serializer)
