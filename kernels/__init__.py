@@ -15,7 +15,11 @@ Overview (DESIGN.md §2, notes/qnn_htp.md):
   ``NpuQueue`` worker while the caller thread computes the LoRA terms (and dA, dB in backward). CPU backends use
   an inline queue (same cores, nothing to overlap; a thread hand-off costs 11-22 us or more under load).
 - ``plan_precision`` measures, per layer and precision, how far dA/dB/dX move from the fp32 run and picks the
-  cheapest plan within an error budget (``PrecisionPlan``, JSON-serializable, ``.table()``).
+  cheapest plan within an error budget (``PrecisionPlan``, JSON-serializable, ``.table()``, ``.summary()``).
+  ``mode="fast"`` (default): one captured reference fwd+bwd, local per-layer drifts, whole-plan verification
+  with back-off; ``mode="exact"``: one full fwd+bwd per (layer, candidate, direction).
+- ``load_or_plan(cache_dir, model, loss_fn, weights, model_hash=, backend=, ...)`` returns ``(plan, from_cache)``:
+  the plan cached for (model hash, backend, candidates, budget, planner version, layers, extra key) or a new one.
 - ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.
 """
 
@@ -23,6 +27,7 @@ from lorad.kernels._quant import PRECISIONS
 from lorad.kernels.detect import BackendInfo, detect_backend
 from lorad.kernels.frozen import BACKENDS, FrozenLinear, make_frozen_linear, memory_report
 from lorad.kernels.lora import FrozenMatmul, LoRALinear
+from lorad.kernels.plan_cache import load_or_plan
 from lorad.kernels.planner import Measurement, PrecisionPlan, plan_precision
 from lorad.kernels.queue import NpuQueue
 
@@ -37,6 +42,7 @@ __all__ = [
     "NpuQueue",
     "PrecisionPlan",
     "detect_backend",
+    "load_or_plan",
     "make_frozen_linear",
     "memory_report",
     "plan_precision",

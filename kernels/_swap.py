@@ -41,8 +41,8 @@ def frozen_sites(model: nn.Module, names: Iterator[str] | list[str]) -> dict[str
             by_name.setdefault(fl.name, fl)
     out: dict[str, tuple[Any, list[Site]]] = {}
     for n in names:
-        mod = mods.get(n)
-        fl = mod.frozen if isinstance(mod, LoRALinear) else by_name.get(n)
+        lora = mods.get(n)
+        fl = lora.frozen if isinstance(lora, LoRALinear) else by_name.get(n)
         if fl is None:
             raise ValueError(f"{n!r} is neither a LoRALinear module nor a frozen linear's name in the model")
         out[n] = (fl, by_obj.get(id(fl), []))

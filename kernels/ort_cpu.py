@@ -133,7 +133,10 @@ def int8_graphs(
         # Fold the per-channel weight scale into dy first, so each row's scale covers what multiplies Wq.
         bwd_nodes = [helper.make_node("Mul", ["dy", "s"], ["dys"]), *_row_quant_matmul("dys", "W", "one", "z0", "dx")]
         bwd_inits = [
-            init("s", scale), init("one", np.array(1.0, np.float32)), init("z0", np.array(0, np.int8)), *_row_consts()
+            init("s", scale),
+            init("one", np.array(1.0, np.float32)),
+            init("z0", np.array(0, np.int8)),
+            *_row_consts(),
         ]
     fwd = model_bytes(
         fwd_nodes, [value("x", np.float32, ["T", in_f]), w_in], [value("y", np.float32, ["T", out_f])], fwd_inits

@@ -1,166 +1,30 @@
-"""Precision planner by gradient sensitivity: lower one frozen linear at a time, measure how dA/dB/dX move."""
+"""Precision planner by gradient sensitivity: choose per-layer fwd/bwd precisions that keep dA/dB within a budget.
+
+Two modes: ``exact`` lowers one layer and direction at a time and runs a full fwd+bwd for each (hundreds of passes
+on a 30-layer model); ``fast`` (the product default) runs one reference fwd+bwd, measures every layer locally on its
+captured inputs, and verifies the chosen whole plan with real runs (see ``plan_precision``).
+"""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
 import torch
-from lorad.kernels._quant import BYTES_PER_WEIGHT
+from lorad.kernels import _plan_fast as fast
+from lorad.kernels._swap import Site, frozen_sites, set_frozen
 from lorad.kernels.frozen import make_frozen_linear
 from lorad.kernels.lora import LoRALinear
+from lorad.kernels.plan import PLAN_VERSION, PLANNER_VERSION, LayerPlan, Measurement, PrecisionPlan, weight_bytes
 from torch import Tensor, nn
 
 log = structlog.get_logger(__name__)
 
-PLAN_VERSION = 1
-# Weight storage format per precision: two precisions with one format share one stored copy.
-_FORMAT = {"fp32": "fp32", "fp16": "fp16", "w8a16": "int8", "w8a8": "int8", "w4a16": "int4"}
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """Gradient drift when one layer's one direction runs at ``precision`` (all else at the reference)."""
-
-    direction: str  # "fwd" | "bwd"
-    precision: str
-    cos_da: float
-    cos_db: float
-    cos_dx: float
-    rel_da: float
-    rel_db: float
-    rel_dx: float
-    time_ms: float = float("nan")  # measured frozen-product time on the calibration shape (cost="time")
-
-    @property
-    def error(self) -> float:
-        """The scalar the budget is spent on: the worst relative-norm error of dA, dB and dX."""
-        return max(self.rel_da, self.rel_db, 0.0 if math.isnan(self.rel_dx) else self.rel_dx)
-
-
-@dataclass
-class LayerPlan:
-    """Chosen precisions of one layer plus every measurement behind the choice."""
-
-    name: str
-    shape: tuple[int, int]  # (out, in)
-    precision_fwd: str
-    precision_bwd: str
-    measurements: list[Measurement] = field(default_factory=list)
-
-    def measured(self, direction: str, precision: str) -> Measurement | None:
-        """The measurement for ``direction`` at ``precision`` (None for the reference itself)."""
-        return next((m for m in self.measurements if (m.direction, m.precision) == (direction, precision)), None)
-
-
-@dataclass
-class PrecisionPlan:
-    """Per-layer forward/backward precisions with the measured numbers; JSON-serializable."""
-
-    backend: str
-    reference: str
-    budget: float
-    cost_model: str
-    layers: dict[str, LayerPlan]
-    estimated_error: float = 0.0  # sum of the chosen per-(layer, direction) errors
-    verified: dict[str, float] = field(default_factory=dict)  # drift of the whole plan, measured in one run
-
-    def precisions(self, name: str) -> tuple[str, str]:
-        """(precision_fwd, precision_bwd) for layer ``name``; the reference for unknown layers."""
-        lp = self.layers.get(name)
-        return (lp.precision_fwd, lp.precision_bwd) if lp else (self.reference, self.reference)
-
-    def weight_bytes(self) -> int:
-        """Weight bytes the plan stores (one copy per distinct storage format per layer)."""
-        return sum(_bytes(lp.shape, lp.precision_fwd, lp.precision_bwd) for lp in self.layers.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (inverse of ``from_dict``)."""
-        return {
-            "version": PLAN_VERSION,
-            "backend": self.backend,
-            "reference": self.reference,
-            "budget": self.budget,
-            "cost_model": self.cost_model,
-            "estimated_error": self.estimated_error,
-            "verified": dict(self.verified),
-            "layers": [
-                {
-                    "name": lp.name,
-                    "shape": list(lp.shape),
-                    "precision_fwd": lp.precision_fwd,
-                    "precision_bwd": lp.precision_bwd,
-                    "measurements": [_json_floats(asdict(m)) for m in lp.measurements],
-                }
-                for lp in self.layers.values()
-            ],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PrecisionPlan:
-        """Rebuild a plan written by ``to_dict`` (raises ValueError on another format version)."""
-        if d.get("version") != PLAN_VERSION:
-            raise ValueError(f"precision plan version {d.get('version')!r} is not {PLAN_VERSION}; re-run the planner")
-        layers = {
-            lay["name"]: LayerPlan(
-                lay["name"],
-                (int(lay["shape"][0]), int(lay["shape"][1])),
-                lay["precision_fwd"],
-                lay["precision_bwd"],
-                [Measurement(**{k: _from_json(v) for k, v in m.items()}) for m in lay["measurements"]],
-            )
-            for lay in d["layers"]
-        }
-        return cls(
-            d["backend"], d["reference"], float(d["budget"]), d["cost_model"], layers,
-            float(d["estimated_error"]), {k: float(v) for k, v in d.get("verified", {}).items()},
-        )  # fmt: skip
-
-    def table(self) -> str:
-        """Human-readable table: one row per layer and direction with the measured error per precision."""
-        precs = sorted({m.precision for lp in self.layers.values() for m in lp.measurements}, key=_FORMAT_ORDER)
-        head = f"{'layer':<32} {'shape':>11} {'dir':<3} {'chosen':<6} " + " ".join(f"{p:>16}" for p in precs)
-        lines = [
-            f"precision plan: backend={self.backend} reference={self.reference} budget={self.budget:g} "
-            f"cost={self.cost_model} estimated_error={self.estimated_error:.3e} "
-            f"weight_bytes={self.weight_bytes()}",
-            "cells: rel error (max of dA, dB, dX) / cosine of dA",
-            head,
-            "-" * len(head),
-        ]
-        for lp in self.layers.values():
-            for direction, chosen in (("fwd", lp.precision_fwd), ("bwd", lp.precision_bwd)):
-                cells = []
-                for p in precs:
-                    m = lp.measured(direction, p)
-                    cells.append(f"{m.error:9.2e}/{m.cos_da:6.4f}" if m else f"{'-':>16}")
-                shape = f"{lp.shape[0]}x{lp.shape[1]}"
-                lines.append(f"{lp.name[:32]:<32} {shape:>11} {direction:<3} {chosen:<6} " + " ".join(cells))
-        if self.verified:
-            lines.append("whole plan, measured: " + ", ".join(f"{k}={v:.3e}" for k, v in self.verified.items()))
-        return "\n".join(lines)
-
-
-def _FORMAT_ORDER(p: str) -> int:  # noqa: N802 (used as a sort key)
-    return list(BYTES_PER_WEIGHT).index(p)
-
-
-def _json_floats(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
-
-
-def _from_json(v: Any) -> Any:
-    return float("nan") if v is None else v
-
-
-def _bytes(shape: tuple[int, int], pf: str, pb: str) -> int:
-    n = shape[0] * shape[1]
-    formats = {_FORMAT[pf]: pf, _FORMAT[pb]: pb}
-    return int(sum(BYTES_PER_WEIGHT[p] * n for p in formats.values()))
+__all__ = ["PLANNER_VERSION", "PLAN_VERSION", "LayerPlan", "Measurement", "PrecisionPlan", "plan_precision"]
+MODES = ("fast", "exact")
 
 
 def _flat_grads(model: nn.Module, attr: str) -> Tensor:
@@ -168,14 +32,9 @@ def _flat_grads(model: nn.Module, attr: str) -> Tensor:
     return torch.cat(gs) if gs else torch.zeros(0)
 
 
-def _drift(got: Tensor, ref: Tensor) -> tuple[float, float]:
-    if ref.numel() == 0 or float(ref.norm()) == 0.0:
-        return float("nan"), float("nan")
-    cos = float(torch.nn.functional.cosine_similarity(got.reshape(1, -1), ref.reshape(1, -1)).item())
-    return cos, float((got - ref).norm() / ref.norm())
-
-
-def _grads_run(model: nn.Module, loss_fn: Callable[[], Tensor], probe: LoRALinear | None) -> tuple[Tensor, ...]:
+def _grads_run(
+    model: nn.Module, loss_fn: Callable[[], Tensor], probe: nn.Module | None, slots: Sequence[fast.Slot] = ()
+) -> tuple[Tensor, ...]:
     """One fwd+bwd on the calibration batch; returns (dA, dB, dX at ``probe``'s input)."""
     for p in model.parameters():
         p.grad = None
@@ -190,20 +49,21 @@ def _grads_run(model: nn.Module, loss_fn: Callable[[], Tensor], probe: LoRALinea
 
     handle = probe.register_forward_pre_hook(pre_hook) if probe is not None else None
     try:
-        loss_fn().backward()
+        loss = loss_fn()
+        for s in slots:
+            s.record_fwd = False
+        loss.backward()
     finally:
         if handle is not None:
             handle.remove()
+        for s in slots:
+            s.record_fwd = True
     dx = captured[0] if captured else torch.zeros(0)
     return _flat_grads(model, "lora_A").clone(), _flat_grads(model, "lora_B").clone(), dx
 
 
-def _time_ms(fn: Callable[[Tensor], Tensor], a: Tensor, repeats: int = 3) -> float:
-    fn(a)  # first call may build a bucket session
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn(a)
-    return (time.perf_counter() - t0) / repeats * 1e3
+def _probe_of(sites: list[Site]) -> LoRALinear | None:
+    return next((m for m, _ in sites if isinstance(m, LoRALinear)), None)
 
 
 def plan_precision(
@@ -219,106 +79,243 @@ def plan_precision(
     cost: str = "bytes",
     calib_tokens: int = 256,
     verify: bool = True,
+    mode: str = "fast",
+    max_backoff: int = 4,
 ) -> PrecisionPlan:
     """Choose per-layer forward/backward precisions by how much they move the LoRA gradients.
 
-    For every LoRALinear named in ``weights`` and every candidate, that layer alone (one direction at a time) is
-    rebuilt at the candidate precision; one fwd+bwd of ``loss_fn`` measures cosine and relative-norm error of all
-    dA, all dB and the layer's own input gradient dX against the ``reference`` run. The cheapest plan whose summed
-    error stays within ``budget`` is then chosen (multiple-choice knapsack solved by a Lagrangian sweep).
+    ``mode="exact"``: for every layer, candidate and direction, that layer alone is rebuilt at the candidate and one
+    fwd+bwd of ``loss_fn`` measures cosine and relative error of all dA, all dB and the layer's input gradient dX
+    against the reference run; the cheapest plan whose summed error stays within ``budget`` is chosen
+    (multiple-choice knapsack by a Lagrangian sweep). Cost: 1 + layers·(1 + 2·candidates) passes.
+
+    ``mode="fast"`` (product default): ONE reference fwd+bwd with every layer's input x and output gradient dy
+    captured; then per layer and candidate, locally on those tensors: fwd → relative drift of the frozen output y
+    (a layer's own dA = s·(dy·B)ᵀx and dB = s·dyᵀ(x·Aᵀ) depend on x and dy only, so its forward precision reaches
+    the gradients only through y), bwd → relative drift of its input gradient dX (what every upstream layer sees).
+    Approximation: local errors are assumed to add as independent noise, so the whole-plan drift of dA/dB is
+    predicted as k·sqrt(Σe²); k is calibrated by one run with every layer at its cheapest admissible candidate,
+    and the knapsack spends Σe² ≤ (budget/k)². The chosen plan is then VERIFIED by a real fwd+bwd (cos and rel
+    error of all dA, dB); while its error exceeds ``budget``, the worst-measured lowered layers go back to the
+    reference and the plan is re-verified (at most ``max_backoff`` times, then everything falls back to the
+    reference). Cost: 2 + verify passes plus local products, seconds instead of minutes.
 
     Args:
-        model: module containing LoRALinear layers (their ``frozen`` is swapped during planning, then restored).
+        model: module containing the frozen linears (LoRALinear or any module holding a ``frozen`` object); they
+            are swapped during planning, then restored.
         loss_fn: runs the model on the calibration batch and returns the scalar loss.
-        weights: module name (as in ``model.named_modules()``) -> (W [out, in], bias) of the frozen linear.
+        weights: layer name -> (W [out, in], bias). A name is a LoRALinear's module name or a frozen linear's own
+            ``name`` (lorad models: HF module names and ``lm_head``, as ``build_model`` reads plans).
         backend: backend to measure on ("torch" emulates every precision on any host).
         reference: the highest precision, measured against.
         candidates: precisions to try; those the backend lacks are skipped.
-        budget: allowed sum over (layer, direction) of the measured error.
+        budget: exact: allowed sum over (layer, direction) of the measured error; fast: allowed whole-plan
+            relative error of dA/dB (the verified number).
         max_layer_error: a single (layer, direction) above this error is never lowered.
         cost: "bytes" (weight bytes stored) or "time" (measured fwd+bwd ms of the frozen product).
-        calib_tokens: rows used for the time cost model.
-        verify: run the chosen plan once and record its whole-model drift in ``plan.verified``.
+        calib_tokens: rows used for the time cost model (exact mode; fast mode times the captured rows).
+        verify: exact mode: run the chosen plan once and record its drift (fast mode always verifies).
+        mode: "fast" or "exact".
+        max_backoff: fast mode: verify/back-off rounds before falling back to the reference.
 
     Returns:
-        The PrecisionPlan (the model is left with its original frozen linears).
+        The PrecisionPlan (the model is left with its original frozen linears and no gradients).
 
     Raises:
-        ValueError: unknown cost model, or a name in ``weights`` that is not a LoRALinear of ``model``.
+        ValueError: unknown cost model or mode, or a name in ``weights`` that is not a frozen linear of ``model``.
     """
     if cost not in ("bytes", "time"):
         raise ValueError(f"cost must be 'bytes' or 'time', got {cost!r}")
-    mods = dict(model.named_modules())
-    layers: dict[str, LoRALinear] = {}
-    for name in weights:
-        mod = mods.get(name)
-        if not isinstance(mod, LoRALinear):
-            raise ValueError(f"{name!r} is not a LoRALinear in the model; pass names from model.named_modules()")
-        layers[name] = mod
-    originals = {n: m.frozen for n, m in layers.items()}
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t_start = time.perf_counter()
+    sites = frozen_sites(model, list(weights))
     was_training = model.training
     model.train(False)  # dropout off: the drift must come from precision only
+    gen_state = torch.random.get_rng_state()  # planning must not shift the training RNG stream
 
     def build(name: str, pf: str, pb: str) -> Any:
         w, b = weights[name]
         return make_frozen_linear(w, b, backend=backend, precision=pf, precision_bwd=pb, name=name)
 
     try:
-        ref_frozen = {n: build(n, reference, reference) for n in layers}
-        for n, m in layers.items():
-            m.frozen = ref_frozen[n]
-        ref_a, ref_b, _ = _grads_run(model, loss_fn, None)
-        plans: dict[str, LayerPlan] = {}
-        for n, m in layers.items():
-            lp = LayerPlan(n, (m.out_features, m.in_features), reference, reference)
-            _, _, ref_x = _grads_run(model, loss_fn, m)
-            for p in candidates:
-                if p == reference:
-                    continue
-                for direction in ("fwd", "bwd"):
-                    try:
-                        fl = build(n, p, reference) if direction == "fwd" else build(n, reference, p)
-                    except ValueError:
-                        continue  # backend lacks this precision
-                    m.frozen = fl
-                    da, db, dx = _grads_run(model, loss_fn, m)
-                    m.frozen = ref_frozen[n]
-                    (ca, ra), (cb, rb), (cx, rx) = _drift(da, ref_a), _drift(db, ref_b), _drift(dx, ref_x)
-                    t_ms = float("nan")
-                    if cost == "time":
-                        width = m.in_features if direction == "fwd" else m.out_features
-                        op = fl.forward if direction == "fwd" else fl.input_grad
-                        t_ms = _time_ms(op, torch.randn(calib_tokens, width))
-                    lp.measurements.append(Measurement(direction, p, ca, cb, cx, ra, rb, rx, t_ms))
-            plans[n] = lp
-            log.info("precision_layer_measured", layer=n, candidates=len(lp.measurements))
-        ref_time = _reference_times(layers, ref_frozen, calib_tokens) if cost == "time" else {}
-        est = _choose(
-            plans, reference=reference, budget=budget, max_layer_error=max_layer_error, cost=cost, ref_time=ref_time
-        )
-        plan = PrecisionPlan(backend, reference, budget, cost, plans, est)
-        if verify:
-            for n, m in layers.items():
-                m.frozen = build(n, *plan.precisions(n))
-            da, db, _ = _grads_run(model, loss_fn, None)
-            (ca, ra), (cb, rb) = _drift(da, ref_a), _drift(db, ref_b)
-            plan.verified = {"cos_da": ca, "rel_da": ra, "cos_db": cb, "rel_db": rb}
+        run = _plan_fast if mode == "fast" else _plan_exact
+        plan = run(model, loss_fn, sites, build, backend=backend, reference=reference, candidates=candidates,
+                   budget=budget, max_layer_error=max_layer_error, cost=cost, calib_tokens=calib_tokens,
+                   verify=verify, max_backoff=max_backoff)  # fmt: skip
     finally:
-        for n, m in layers.items():
-            m.frozen = originals[n]
+        for fl, s in sites.values():
+            set_frozen(s, fl)
         model.train(was_training)
         for p in model.parameters():
             p.grad = None
-    log.info("precision_plan_ready", layers=len(plans), estimated_error=est, weight_bytes=plan.weight_bytes())
+        torch.random.set_rng_state(gen_state)
+    plan.seconds = time.perf_counter() - t_start
+    log.info("precision_plan_ready", **plan.summary())
     return plan
 
 
-def _reference_times(layers: Mapping[str, LoRALinear], frozen: Mapping[str, Any], t: int) -> dict[str, float]:
-    out = {}
-    for n, m in layers.items():
-        out[f"{n}|fwd"] = _time_ms(frozen[n].forward, torch.randn(t, m.in_features))
-        out[f"{n}|bwd"] = _time_ms(frozen[n].input_grad, torch.randn(t, m.out_features))
-    return out
+def _plan_exact(
+    model: nn.Module, loss_fn: Callable[[], Tensor], sites: Mapping[str, tuple[Any, list[Site]]], build: Any,
+    *, backend: str, reference: str, candidates: Sequence[str], budget: float, max_layer_error: float, cost: str,
+    calib_tokens: int, verify: bool, max_backoff: int,
+) -> PrecisionPlan:  # fmt: skip
+    del max_backoff
+    ref_frozen = {n: build(n, reference, reference) for n in sites}
+    for n, (_, s) in sites.items():
+        set_frozen(s, ref_frozen[n])
+    ref_a, ref_b, _ = _grads_run(model, loss_fn, None)
+    plans: dict[str, LayerPlan] = {}
+    for n, (fl0, s) in sites.items():
+        probe = _probe_of(s)
+        lp = LayerPlan(n, (fl0.out_features, fl0.in_features), reference, reference)
+        _, _, ref_x = _grads_run(model, loss_fn, probe)
+        for p in candidates:
+            if p == reference:
+                continue
+            for direction in ("fwd", "bwd"):
+                try:
+                    fl = build(n, p, reference) if direction == "fwd" else build(n, reference, p)
+                except ValueError:
+                    continue  # backend lacks this precision
+                set_frozen(s, fl)
+                da, db, dx = _grads_run(model, loss_fn, probe)
+                set_frozen(s, ref_frozen[n])
+                (ca, ra), (cb, rb) = fast.drift(da, ref_a), fast.drift(db, ref_b)
+                cx, rx = fast.drift(dx, ref_x)
+                t_ms = float("nan")
+                if cost == "time":
+                    width = fl0.in_features if direction == "fwd" else fl0.out_features
+                    op = fl.forward if direction == "fwd" else fl.input_grad
+                    t_ms = _time_ms(op, _randn(calib_tokens, width))
+                lp.measurements.append(Measurement(direction, p, ca, cb, cx, ra, rb, rx, t_ms))
+        plans[n] = lp
+        log.info("precision_layer_measured", layer=n, candidates=len(lp.measurements))
+    ref_time: dict[str, float] = {}
+    if cost == "time":
+        for n, fl in ref_frozen.items():
+            ref_time[f"{n}|fwd"] = _time_ms(fl.forward, _randn(calib_tokens, fl.in_features))
+            ref_time[f"{n}|bwd"] = _time_ms(fl.input_grad, _randn(calib_tokens, fl.out_features))
+    est = _choose(plans, reference=reference, budget=budget, max_layer_error=max_layer_error, cost=cost,
+                  ref_time=ref_time)  # fmt: skip
+    plan = PrecisionPlan(backend, reference, budget, cost, plans, est, mode="exact")
+    if verify:
+        for n, (_, s) in sites.items():
+            set_frozen(s, build(n, *plan.precisions(n)))
+        da, db, _ = _grads_run(model, loss_fn, None)
+        plan.verified = fast.whole_drift(da, db, ref_a, ref_b)
+    return plan
+
+
+def _plan_fast(
+    model: nn.Module, loss_fn: Callable[[], Tensor], sites: Mapping[str, tuple[Any, list[Site]]], build: Any,
+    *, backend: str, reference: str, candidates: Sequence[str], budget: float, max_layer_error: float, cost: str,
+    calib_tokens: int, verify: bool, max_backoff: int,
+) -> PrecisionPlan:  # fmt: skip
+    del calib_tokens, verify  # fast mode times the captured rows and always verifies
+    slots = {n: fast.Slot(build(n, reference, reference)) for n in sites}
+    for n, (_, s) in sites.items():
+        set_frozen(s, slots[n])
+    for sl in slots.values():
+        sl.recording = True
+    ref_a, ref_b, _ = _grads_run(model, loss_fn, None, list(slots.values()))
+    for sl in slots.values():
+        sl.recording = False
+    impls: dict[tuple[str, str], Any] = {}
+    plans: dict[str, LayerPlan] = {}
+    ref_time: dict[str, float] = {}
+    for n, sl in slots.items():
+        x, dy = sl.captured()
+        lp = LayerPlan(n, (sl.out_features, sl.in_features), reference, reference)
+        if cost == "time":
+            ref_time[f"{n}|fwd"] = fast.time_ms(sl.ref.forward, x) if x.numel() else 0.0
+            ref_time[f"{n}|bwd"] = fast.time_ms(sl.ref.input_grad, dy) if dy.numel() else 0.0
+        for p in candidates:
+            if p == reference:
+                continue
+            try:
+                cand = build(n, p, p)  # one object serves both directions' measurements
+            except ValueError:
+                continue
+            impls[(n, p)] = cand
+            (cy, ry), (cx, rx) = fast.local_drifts(sl, cand, x, dy)
+            nan = float("nan")
+            tf = fast.time_ms(cand.forward, x) if cost == "time" and x.numel() else nan
+            tb = fast.time_ms(cand.input_grad, dy) if cost == "time" and dy.numel() else nan
+            lp.measurements.append(Measurement("fwd", p, nan, nan, nan, nan, nan, nan, tf, cy, ry, True))
+            lp.measurements.append(Measurement("bwd", p, nan, nan, cx, nan, nan, rx, tb, local=True))
+        sl.xs, sl.dys = [], []
+        plans[n] = lp
+    log.info("precision_local_measured", layers=len(plans), candidates=len(impls))
+
+    def verify_run(choice: Mapping[str, tuple[str, str]]) -> dict[str, float]:
+        fast.apply_choice(slots, impls, choice)
+        da, db, _ = _grads_run(model, loss_fn, None)
+        return fast.whole_drift(da, db, ref_a, ref_b)
+
+    def sq(m: Measurement) -> float:
+        return m.error * m.error
+
+    # Calibrate k: every (layer, direction) at its cheapest admissible candidate, in one real run.
+    cheapest: dict[str, tuple[str, str]] = {}
+    sum_all = 0.0
+    for n, lp in plans.items():
+        pick = []
+        for d in ("fwd", "bwd"):
+            ok = [m for m in lp.measurements if m.direction == d and m.error <= max_layer_error]
+            best = min(ok, key=lambda m: (_cost_of(lp, m, cost, ref_time), m.error), default=None)
+            pick.append(best.precision if best else reference)
+            sum_all += sq(best) if best else 0.0
+        cheapest[n] = (pick[0], pick[1])
+    calib = verify_run(cheapest)
+    k = calib["error"] / math.sqrt(sum_all) if sum_all > 0 else 0.0
+    target_sq = (budget / k) ** 2 if k > 0 else math.inf
+    est_sq = _choose(plans, reference=reference, budget=target_sq, max_layer_error=max_layer_error, cost=cost,
+                     ref_time=ref_time, err=sq)  # fmt: skip
+    plan = PrecisionPlan(backend, reference, budget, cost, plans, k * math.sqrt(est_sq), mode="fast")
+    plan.calibration = {"k": k, "cheapest_error": calib["error"], "cheapest_sum_sq": sum_all}
+    choice = {n: plan.precisions(n) for n in plans}
+    drift = verify_run(choice)  # its own run even when it equals the calibration plan: verification stands alone
+    for it in range(max_backoff + 1):
+        lowered = [(m.error, n, d) for n, lp in plans.items() for d, p in zip(("fwd", "bwd"), choice[n], strict=True)
+                   if p != reference and (m := lp.measured(d, p)) is not None]  # fmt: skip
+        plan.history.append({"iteration": float(it), "lowered": float(len(lowered)), **drift})
+        if drift["error"] <= budget or not lowered:
+            break
+        if it == max_backoff:
+            log.warning("precision_plan_fallback", error=drift["error"], budget=budget, lowered=len(lowered))
+            choice = {n: (reference, reference) for n in plans}
+            drift = {"cos_da": 1.0, "rel_da": 0.0, "cos_db": 1.0, "rel_db": 0.0, "error": 0.0}
+            break
+        now_sq = sum(e * e for e, _, _ in lowered)
+        # Drift scales like sqrt(Σe²): aim Σe² at (budget/drift)² of now, with 20% margin.
+        for n, d in fast.raise_worst(lowered, now_sq, now_sq * (budget / drift["error"]) ** 2 * 0.8):
+            f, b = choice[n]
+            choice[n] = (reference, b) if d == "fwd" else (f, reference)
+        drift = verify_run(choice)
+    for n, (pf, pb) in choice.items():
+        plans[n].precision_fwd, plans[n].precision_bwd = pf, pb
+    plan.verified = drift
+    return plan
+
+
+def _randn(t: int, width: int) -> Tensor:
+    return torch.randn(t, width, generator=torch.Generator().manual_seed(0))
+
+
+def _time_ms(fn: Callable[[Tensor], Tensor], a: Tensor, repeats: int = 3) -> float:
+    fn(a)  # first call may build a bucket session
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn(a)
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def _cost_of(lp: LayerPlan, m: Measurement, cost: str, ref_time: Mapping[str, float]) -> float:
+    if cost == "time":
+        return m.time_ms
+    pf, pb = (m.precision, lp.precision_bwd) if m.direction == "fwd" else (lp.precision_fwd, m.precision)
+    return float(weight_bytes(lp.shape, pf, pb))
 
 
 def _choose(
@@ -329,19 +326,24 @@ def _choose(
     max_layer_error: float,
     cost: str,
     ref_time: Mapping[str, float],
+    err: Callable[[Measurement], float] = lambda m: m.error,
 ) -> float:
-    """Set each LayerPlan's precisions to the cheapest combination within ``budget``; returns its summed error."""
+    """Set each LayerPlan's precisions to the cheapest combination whose summed ``err`` is within ``budget``.
+
+    Returns:
+        The summed ``err`` of the chosen plan.
+    """
     options: dict[str, list[tuple[float, float, str, str]]] = {}  # name -> [(cost, error, fwd, bwd)]
     for n, lp in plans.items():
         fwd = [(reference, 0.0, ref_time.get(f"{n}|fwd", 0.0))]
         bwd = [(reference, 0.0, ref_time.get(f"{n}|bwd", 0.0))]
         for m in lp.measurements:
             if m.error <= max_layer_error and not math.isnan(m.error):
-                (fwd if m.direction == "fwd" else bwd).append((m.precision, m.error, m.time_ms))
+                (fwd if m.direction == "fwd" else bwd).append((m.precision, err(m), m.time_ms))
         opts = []
         for pf, ef, tf in fwd:
             for pb, eb, tb in bwd:
-                c = float(_bytes(lp.shape, pf, pb)) if cost == "bytes" else tf + tb
+                c = float(weight_bytes(lp.shape, pf, pb)) if cost == "bytes" else tf + tb
                 opts.append((c, ef + eb, pf, pb))
         options[n] = opts
 
@@ -351,14 +353,14 @@ def _choose(
 
     # Larger λ buys accuracy; bisect (log scale) for the smallest λ whose plan fits the budget.
     lo, hi = 1e-12, 1e18
-    err, best = pick(hi)
+    total, best = pick(hi)
     for _ in range(80):
         mid = math.sqrt(lo * hi)
         e, ch = pick(mid)
         if e <= budget:
-            hi, err, best = mid, e, ch
+            hi, total, best = mid, e, ch
         else:
             lo = mid
     for n, (_, _, pf, pb) in best.items():
         plans[n].precision_fwd, plans[n].precision_bwd = pf, pb
-    return err
+    return total

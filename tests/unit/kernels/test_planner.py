@@ -1,9 +1,11 @@
-"""Precision planner: constructed insensitive/sensitive layers, JSON round trip, table."""
+"""Precision planner (exact and fast modes): constructed insensitive/sensitive layers, back-off, JSON, table."""
 
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
 import torch
 from lorad.kernels import LoRALinear, PrecisionPlan, make_frozen_linear, plan_precision
 from torch import nn
@@ -54,9 +56,13 @@ def _setup():
     return model, loss_fn, {"easy": (w1, None), "hard": (w2, None)}
 
 
-def test_insensitive_layer_lowered_sensitive_kept_high() -> None:
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_insensitive_layer_lowered_sensitive_kept_high(mode: str) -> None:
     model, loss_fn, weights = _setup()
-    plan = plan_precision(model, loss_fn, weights, candidates=("fp16", "w8a16", "w8a8", "w4a16"), budget=0.02)
+    plan = plan_precision(
+        model, loss_fn, weights, candidates=("fp16", "w8a16", "w8a8", "w4a16"), budget=0.02, mode=mode
+    )
+    assert plan.mode == mode
     easy, hard = plan.layers["easy"], plan.layers["hard"]
     print(plan.table())
     assert easy.precision_fwd in INT and easy.precision_bwd in INT, plan.table()
@@ -65,22 +71,24 @@ def test_insensitive_layer_lowered_sensitive_kept_high() -> None:
     assert hard.measured("fwd", "w8a16").error > 0.1
     assert easy.measured("fwd", "w8a16").error < 1e-3
     assert plan.estimated_error <= 0.02
-    assert plan.verified["cos_da"] > 0.99
+    assert plan.verified["cos_da"] > 0.99 and plan.verified["error"] <= 0.02
     assert plan.weight_bytes() < 4 * (24 * 16 + 24 * 24)
     # The model got its original frozen linears back.
     assert model.easy.frozen.precision_fwd == "fp32" and model.hard.frozen.precision_fwd == "fp32"
 
 
-def test_zero_budget_keeps_everything_at_reference_unless_free() -> None:
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_zero_budget_keeps_everything_at_reference_unless_free(mode: str) -> None:
     model, loss_fn, weights = _setup()
-    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=0.0, verify=False)
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=0.0, verify=False, mode=mode)
     assert plan.precisions("hard") == ("fp32", "fp32")
     assert plan.estimated_error == 0.0
 
 
-def test_plan_round_trips_through_json_and_prints_numbers() -> None:
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_plan_round_trips_through_json_and_prints_numbers(mode: str) -> None:
     model, loss_fn, weights = _setup()
-    plan = plan_precision(model, loss_fn, weights, candidates=("fp16", "w8a8"), budget=0.05, cost="time")
+    plan = plan_precision(model, loss_fn, weights, candidates=("fp16", "w8a8"), budget=0.05, cost="time", mode=mode)
     text = json.dumps(plan.to_dict())
     back = PrecisionPlan.from_dict(json.loads(text))
     assert back.to_dict() == plan.to_dict()
@@ -89,3 +97,74 @@ def test_plan_round_trips_through_json_and_prints_numbers() -> None:
     m = plan.layers["hard"].measured("bwd", "w8a8")
     assert f"{m.error:9.2e}".strip() in table
     assert "easy" in table and "hard" in table
+    if mode == "fast":
+        assert back.mode == "fast" and back.history and back.calibration == plan.calibration
+        assert "LOCAL drifts" in table and "verify run" in table
+        assert not math.isnan(m.rel_dx) and m.local
+
+
+class Chain(nn.Module):
+    """Eight equal layers whose LOCAL int8 drift looks harmless but compounds: the back-off must catch it."""
+
+    def __init__(self, ws: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoRALinear(make_frozen_linear(w, None, backend="torch"), 2, 4.0) for w in ws)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = x + lin(x)  # residual: every layer's output error reaches every later layer
+        return x
+
+
+def _chain_setup(n: int = 8, d: int = 32):
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(d, d, generator=g) * 0.3 for _ in range(n)]
+    model = Chain(ws)
+    with torch.no_grad():
+        for lin in model.layers:
+            lin.lora_B.normal_(generator=g)
+    x = torch.randn(16, d, generator=g)
+    target = torch.randn(16, d, generator=g)
+
+    def loss_fn() -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), target)
+
+    return model, loss_fn, {f"layers.{i}": (w, None) for i, w in enumerate(ws)}
+
+
+def test_fast_mode_backs_off_when_the_verified_drift_exceeds_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorad.kernels import planner
+
+    model, loss_fn, weights = _chain_setup()
+    free = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=1.0, max_layer_error=1.0)
+    all_low = free.calibration["cheapest_error"]
+    assert all(lp.precision_fwd == "w8a8" for lp in free.layers.values()), free.table()
+    # A budget below what lowering everything measures, with the calibration pretending lowering is free (k = 0,
+    # as when the calibration run was lucky): the knapsack lowers everything, verification must reject it.
+    budget = all_low / 3
+    real = planner.fast.whole_drift
+    calls = {"n": 0}
+
+    def lucky_first(*a: torch.Tensor) -> dict[str, float]:
+        calls["n"] += 1
+        d = real(*a)
+        return {**d, "error": 0.0} if calls["n"] == 1 else d
+
+    monkeypatch.setattr(planner.fast, "whole_drift", lucky_first)
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=budget, max_layer_error=1.0)
+    print(plan.table())
+    assert plan.calibration["k"] == 0.0
+    assert len(plan.history) >= 2, plan.table()
+    assert plan.history[0]["error"] > budget  # the first verified plan violated the budget ...
+    assert plan.history[0]["lowered"] > plan.history[-1]["lowered"]  # ... so precision was raised
+    assert plan.verified["error"] <= budget
+    kept = [n for n, lp in plan.layers.items() if "fp32" in (lp.precision_fwd, lp.precision_bwd)]
+    assert kept, plan.table()
+
+
+def test_fast_mode_falls_back_to_the_reference_when_back_off_runs_out() -> None:
+    model, loss_fn, weights = _chain_setup()
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=1e-9, max_layer_error=1.0,
+                          max_backoff=0)  # fmt: skip
+    assert all(plan.precisions(n) == ("fp32", "fp32") for n in weights), plan.table()
+    assert plan.verified["error"] == 0.0

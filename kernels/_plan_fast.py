@@ -1,0 +1,131 @@
+"""Fast planner internals: one reference fwd+bwd with captured x/dy, local per-layer drifts, verify and back off."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+from torch import Tensor
+
+log = structlog.get_logger(__name__)
+
+
+class Slot:
+    """A FrozenLinear stand-in installed at every site of one layer during planning.
+
+    ``forward`` runs ``fwd_impl`` and ``input_grad`` runs ``bwd_impl`` (so a plan with different forward and
+    backward precisions needs no new sessions), and while ``recording`` it keeps copies of every input it sees:
+    the layer's input x (forward) and its output gradient dy (input_grad).
+    """
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+        self.fwd_impl, self.bwd_impl = ref, ref
+        self.in_features, self.out_features = ref.in_features, ref.out_features
+        self.name = ref.name
+        self.runs_on_cpu = bool(getattr(ref, "runs_on_cpu", False))
+        self.recording = False
+        self.record_fwd = True  # off during backward: a recomputing loss must not record x twice
+        self.xs: list[Tensor] = []
+        self.dys: list[Tensor] = []
+
+    @property
+    def precision_fwd(self) -> str:
+        return str(self.fwd_impl.precision_fwd)
+
+    @property
+    def precision_bwd(self) -> str:
+        return str(self.bwd_impl.precision_bwd)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.ref.nbytes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recording and self.record_fwd:
+            self.xs.append(x.detach().clone())
+        out: Tensor = self.fwd_impl.forward(x)
+        return out
+
+    def input_grad(self, dy: Tensor) -> Tensor:
+        if self.recording:
+            self.dys.append(dy.detach().clone())
+        out: Tensor = self.bwd_impl.input_grad(dy)
+        return out
+
+    def captured(self) -> tuple[Tensor, Tensor]:
+        """All recorded x rows [N, in] and dy rows [M, out] (empty when the layer was not reached)."""
+        x = torch.cat(self.xs) if self.xs else torch.zeros(0, self.in_features)
+        dy = torch.cat(self.dys) if self.dys else torch.zeros(0, self.out_features)
+        return x, dy
+
+
+def drift(got: Tensor, ref: Tensor) -> tuple[float, float]:
+    """(cosine, relative norm error) of ``got`` vs ``ref``; NaNs when ``ref`` is empty or zero."""
+    if ref.numel() == 0 or float(ref.norm()) == 0.0:
+        return float("nan"), float("nan")
+    cos = float(torch.nn.functional.cosine_similarity(got.reshape(1, -1), ref.reshape(1, -1)).item())
+    return cos, float((got - ref).norm() / ref.norm())
+
+
+def nanmax(*vals: float) -> float:
+    """Largest non-NaN value (0.0 when all are NaN): a zero reference (dA while B = 0) must not hide the rest."""
+    ok = [v for v in vals if not math.isnan(v)]
+    return max(ok) if ok else 0.0
+
+
+def whole_drift(da: Tensor, db: Tensor, ref_a: Tensor, ref_b: Tensor) -> dict[str, float]:
+    """Drift of all adapters' dA and dB at once, plus ``error`` = the larger relative error."""
+    (ca, ra), (cb, rb) = drift(da, ref_a), drift(db, ref_b)
+    return {"cos_da": ca, "rel_da": ra, "cos_db": cb, "rel_db": rb, "error": nanmax(ra, rb)}
+
+
+def time_ms(fn: Callable[[Tensor], Tensor], a: Tensor) -> float:
+    """Wall time of one call after a warm-up call (ms)."""
+    fn(a)
+    t0 = time.perf_counter()
+    fn(a)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def local_drifts(slot: Slot, cand: Any, x: Tensor, dy: Tensor) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((cos_y, rel_y), (cos_dx, rel_dx)) of ``cand`` vs the reference on the captured x and dy.
+
+    The forward drift is measured on the frozen product alone (bias excluded would hide nothing: it is exact).
+    """
+    with torch.no_grad():
+        fwd = drift(cand.forward(x), slot.ref.forward(x)) if x.numel() else (float("nan"), float("nan"))
+        bwd = drift(cand.input_grad(dy), slot.ref.input_grad(dy)) if dy.numel() else (float("nan"), float("nan"))
+    return fwd, bwd
+
+
+def raise_worst(lowered: Sequence[tuple[float, str, str]], sum_sq: float, target_sq: float) -> list[tuple[str, str]]:
+    """The fewest (layer, direction) entries, worst local error first, whose removal brings Σe² to ``target_sq``.
+
+    Args:
+        lowered: (local error, layer, direction) of every entry the plan runs below the reference.
+        sum_sq: Σe² of the plan now.
+        target_sq: the Σe² to reach.
+
+    Returns:
+        The entries to put back to the reference (at least one when anything is lowered).
+    """
+    out: list[tuple[str, str]] = []
+    for e, name, direction in sorted(lowered, reverse=True):
+        if out and sum_sq <= target_sq:
+            break
+        out.append((name, direction))
+        sum_sq -= e * e
+    return out
+
+
+def apply_choice(slots: Mapping[str, Slot], impls: Mapping[tuple[str, str], Any], choice: Mapping[str, Any]) -> None:
+    """Point each slot's forward/backward at the objects of the chosen precisions (``impls[(name, precision)]``)."""
+    for n, s in slots.items():
+        pf, pb = choice[n]
+        s.fwd_impl = impls.get((n, pf), s.ref)
+        s.bwd_impl = impls.get((n, pb), s.ref)
