@@ -15,6 +15,10 @@ from torch import Tensor
 
 log = structlog.get_logger(__name__)
 
+# torch intra-op threads for the CPU-side ops (norms, RoPE, attention, LoRA terms) per backend; 0 = torch's own.
+# ort-cpu runs every frozen product on ORT's intra-op pool (all cores, no spinning), so torch stays single-threaded.
+CPU_SIDE_THREADS = {"ort-cpu": 1}
+
 
 def layer_precision(precision: Any, name: str) -> tuple[str, str | None]:
     """(forward, backward) precision for layer `name` from a single precision string or a PrecisionPlan."""
@@ -114,6 +118,7 @@ def build_model(
     if fwd != "fp32":
         embed = embed.to(torch.float16)
     model = CausalLM(cfg, lora, embed=embed, layers=blocks, norm=w("model.norm.weight"), lm_head=head)
+    model.torch_threads = CPU_SIDE_THREADS.get(backend, 0)
     log.info(
         "model_built",
         arch=cfg.arch,

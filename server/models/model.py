@@ -175,6 +175,10 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope: tuple[Tensor, Tensor] = (torch.empty(0), torch.empty(0))
         self.loss_chunk = 256  # tokens per logits chunk in the loss: 256 x V x 4 B of scratch
+        # torch intra-op threads while this model trains/evaluates (0 = leave torch's setting alone). build_model
+        # sets 1 on ort-cpu, whose own intra-op pool runs the frozen products: a second 2-thread OpenMP pool for
+        # the small CPU ops spins against it (2.1 vs 1.3-30 s per step, CPU 2.1 vs 2.3-24 s, on a loaded 2-core host).
+        self.torch_threads = 0
 
     def _rope_tables(self, start: int, t: int) -> tuple[Tensor, Tensor]:
         need = start + t

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,6 +88,19 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
     optim_times: list[float] = field(default_factory=list)  # s of AdamW work per step (overlapped or not)
     optim_waits: list[float] = field(default_factory=list)  # s the step waited for the optimizer thread after backward
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Runs the block with `n` torch intra-op threads (n <= 0: unchanged), restoring the previous count after."""
+    before = torch.get_num_threads()
+    if n > 0 and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 class Trainer:
@@ -191,6 +205,11 @@ class Trainer:
             min_lr_ratio=self.cfg.min_lr_ratio,
         )
         self.optim.set_lr(lr)
+        with torch_threads(int(getattr(self.model, "torch_threads", 0))):
+            return self._train_step(lr)
+
+    def _train_step(self, lr: float) -> tuple[float, float, float]:
+        """The micro-batch loop of `train_step` (torch threads already set for the model's backend)."""
         micro = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]
         counts = [target_count(y) for _, y in micro]
         total = sum(counts)
@@ -215,11 +234,12 @@ class Trainer:
         was_training = self.model.training
         self.model.train(False)
         num = den = 0.0
-        for x, y in self.eval_set:
-            n = target_count(y)
-            if n:
-                num += float(self.model(x, y)) * n
-                den += n
+        with torch_threads(int(getattr(self.model, "torch_threads", 0))):
+            for x, y in self.eval_set:
+                n = target_count(y)
+                if n:
+                    num += float(self.model(x, y)) * n
+                    den += n
         self.model.train(was_training)
         return num / den if den else None
 
