@@ -9,7 +9,7 @@ from lorad.server.auth import Authenticator, ensure_owner_token
 from lorad.server.config import Config
 from lorad.server.device.monitor import ConditionMonitor
 from lorad.server.device.probes import Probe, make_probe
-from lorad.server.domain import Requirements
+from lorad.server.domain import Job, Requirements
 from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
 from lorad.server.modelhost import ModelHost
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
@@ -66,11 +66,21 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         factory = engine_factory(models, cache_root, cfg.training.backend, cfg.training.torch_threads)
     c = cfg.conditions
     monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
-    runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints)
+    runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints,
+                    backend_for=lambda job: job_backend(job, cfg.training.backend))  # fmt: skip
     manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout)
     owner = ensure_owner_token(data)
     return Services(cfg, db, apps, samples, jobs, adapters, ScheduleRepo(db), layout, hub, runner, manager, monitor,
                     models, Authenticator(owner, apps), owner)  # fmt: skip
+
+
+def job_backend(job: Job, configured: str) -> tuple[str, str]:
+    """(backend, why) a job will train on: its own choice, else the configured one, with any fallback's reason."""
+    from lorad.kernels import detect_backend
+
+    p = job.spec.params.backend
+    info = detect_backend(p if p != "auto" else configured)
+    return info.name, info.reason
 
 
 def owner_token_path(data_dir: Path) -> Path:

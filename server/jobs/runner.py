@@ -36,9 +36,13 @@ class Runner:
 
     def __init__(self, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, layout: Layout,  # noqa: PLR0917
                  factory: SessionFactory, hub: EventHub, readings: Callable[[], Readings],
-                 keep_checkpoints: int = 2) -> None:  # fmt: skip
+                 keep_checkpoints: int = 2, backend_for: Callable[[Job], tuple[str, str]] | None = None,
+                 on_running: Callable[[bool], None] | None = None) -> None:  # fmt: skip
+        """``backend_for(job)`` names the compute backend a job will train on and why (for its start event);
+        ``on_running(True/False)`` is called when a job enters / leaves RUNNING (the wake-lock hooks)."""
         self.jobs, self.samples, self.adapters, self.layout = jobs, samples, adapters, layout
         self.factory, self.hub, self.readings, self.keep = factory, hub, readings, keep_checkpoints
+        self.backend_for, self.on_running = backend_for, on_running
         self._lock = threading.RLock()
         self._current: str | None = None
         self._stop = threading.Event()  # the running session's pause flag
@@ -53,8 +57,14 @@ class Runner:
         for job in self.jobs.in_states(ON_NPU):
             ck = self.jobs.checkpoints(job.job_id)
             where = f"from checkpoint step {ck[-1].step}" if ck else "from the start (no checkpoint)"
-            self._move(job.job_id, ON_NPU, JobState.QUEUED, Blocked.NONE, "", f"daemon restarted; resumes {where}")
-            log.info("job_recovered", job_id=job.job_id, checkpoint_step=ck[-1].step if ck else None)
+            if job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER:
+                # The user's pause stands: the job waits for ResumeJob, then continues from its last checkpoint.
+                self._move(job.job_id, ON_NPU, JobState.PAUSED, Blocked.PAUSED_BY_USER, job.blocked_detail,
+                           f"daemon restarted while pausing; paused, resume continues {where}")  # fmt: skip
+            else:
+                self._move(job.job_id, ON_NPU, JobState.QUEUED, Blocked.NONE, "", f"daemon restarted; resumes {where}")
+            log.info("job_recovered", job_id=job.job_id, checkpoint_step=ck[-1].step if ck else None,
+                     paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER)  # fmt: skip
         self._thread.start()
         self.reconcile()
 
@@ -66,7 +76,9 @@ class Runner:
         """
         with self._lock:
             self._closing = True
-            if self._current is not None:
+            if self._target is not None and self._target[1] is Blocked.PAUSED_BY_USER:
+                self._stop.set()  # a user's pause in progress stands: the job ends PAUSED, not queued
+            elif self._current is not None:
                 self._request_stop(self._current, JobState.QUEUED, Blocked.NONE, "daemon stopping; resumes on start")
         self._wake.set()
         self._thread.join(timeout_s)
@@ -99,13 +111,31 @@ class Runner:
                 if not v.ok:
                     self._move(job.job_id, ELIGIBLE, JobState.WAITING, v.first, v.detail, f"waiting: {v.detail}")
                 elif not busy:
-                    if self._move(job.job_id, ELIGIBLE, JobState.RUNNING, Blocked.NONE, "", "started on the NPU"):
+                    if self._move(job.job_id, ELIGIBLE, JobState.RUNNING, Blocked.NONE, "", self._start_message(job)):
                         self._current, self._target, busy = job.job_id, None, True
+                        self._hook(True)
                         self._stop.clear()
                         self._wake.set()
                 else:
-                    detail = f"job {self._current} owns the NPU; this one runs after it"
-                    self._move(job.job_id, ELIGIBLE, JobState.QUEUED, Blocked.NPU_BUSY, detail, "queued behind the NPU")
+                    detail = f"job {self._current} is training; this one runs after it"
+                    self._move(job.job_id, ELIGIBLE, JobState.QUEUED, Blocked.NPU_BUSY, detail, "queued behind a job")
+
+    def _hook(self, running: bool) -> None:
+        if self.on_running is not None:
+            try:
+                self.on_running(running)
+            except Exception:  # a hook must never stop the queue
+                log.exception("running_hook_failed", running=running)
+
+    def _start_message(self, job: Job) -> str:
+        if self.backend_for is None:
+            return "started"
+        try:
+            name, reason = self.backend_for(job)
+        except Exception as exc:  # a broken probe must not stop scheduling; the session reports the real choice
+            log.warning("backend_probe_failed", error=str(exc)[:200])
+            return "started (backend not known yet)"
+        return f"started on {name}: {reason}"
 
     def request_pause(self, job_id: str, to: JobState, blocked: Blocked, detail: str) -> bool:
         """Asks the running job to checkpoint and move to ``to``; False if it is not the one running."""
@@ -159,6 +189,7 @@ class Runner:
                 self._current, self._target = None, None
                 self._stop.clear()
                 closing = self._closing
+            self._hook(False)
             if closing:
                 return
             self.reconcile()

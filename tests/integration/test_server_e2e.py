@@ -49,6 +49,8 @@ def test_end_to_end(make_daemon, tcp: bool, monkeypatch) -> None:
     for msg in app.jobs.WatchJob(jobs_pb2.WatchJobRequest(job_id=job.job_id), metadata=app.md, timeout=120):
         events.append(msg.event)
     assert events[-1].state == jobs_pb2.JOB_STATE_SUCCEEDED, [e.message for e in events if e.message]
+    started = [e.message for e in events if e.state == jobs_pb2.JOB_STATE_RUNNING and e.message.startswith("started")]
+    assert started == ["started on torch: config override (ok)"], started  # the real backend, never "the NPU"
     ids = [e.event_id for e in events]
     assert ids == sorted(set(ids))
     kinds = {e.kind for e in events}

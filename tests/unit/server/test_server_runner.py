@@ -1,0 +1,134 @@
+"""The job runner on a real store with scripted sessions: start messages, restart recovery, RUNNING hooks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from lorad.server.device.probes import Readings
+from lorad.server.domain import Blocked, EventKind, Job, JobSpec, JobState, Quota, Requirements, TrainingParams
+from lorad.server.jobs import EventHub, Layout, Runner
+from lorad.server.jobs.session import SessionOutcome, SessionRequest, SessionSink
+from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
+
+SPEC = JobSpec(("ds",), TrainingParams(max_steps=3), Requirements(False, 0, 80.0, False))
+GOOD = Readings(battery_percent=90, charging=True, temperature_celsius=30.0, idle=True, source="test")
+
+
+class Paused:
+    """A session that waits until told to stop, then reports a pause (a checkpoint would be written here)."""
+
+    def __init__(self, started: threading.Event) -> None:
+        self.started = started
+
+    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
+        self.started.set()
+        while not should_stop():
+            time.sleep(0.01)
+        return SessionOutcome(completed=False)
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        self.db = Database(tmp / "s.sqlite")
+        self.tmp = tmp
+        self.jobs = JobRepo(self.db)
+        AppRepo(self.db).create("app", "App", "h" * 64, Quota(10, 10_000, 2, 4))
+        self.started = threading.Event()
+        self.requests: list[SessionRequest] = []
+        self.hook: list[bool] = []
+
+    def runner(self, backend_for: Callable[[Job], tuple[str, str]] | None = None) -> Runner:
+        def factory(req: SessionRequest) -> Paused:
+            self.requests.append(req)
+            return Paused(self.started)
+
+        return Runner(self.jobs, SampleRepo(self.db), AdapterRepo(self.db), Layout(self.tmp), factory, EventHub(),
+                      lambda: GOOD, 2, backend_for=backend_for, on_running=self.hook.append)  # fmt: skip
+
+    def job(self, rid: str = "r") -> Job:
+        job, _ = self.jobs.create("app", rid, SPEC, JobState.QUEUED, Blocked.NONE, 4)
+        return job
+
+    def messages(self, job_id: str) -> list[str]:
+        evs, _ = self.jobs.events(job_id, 0, 1000)
+        return [e.message for e in evs if e.kind is EventKind.STATE_CHANGED]
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def test_start_message_names_the_backend_and_the_fallback_reason(world: World) -> None:
+    why = "QNN HTP EP loads but only as the x86 simulator; using ORT CPU EP"
+    r = world.runner(backend_for=lambda job: ("ort-cpu", why))
+    job = world.job()
+    r.start()
+    assert world.started.wait(10)
+    msgs = world.messages(job.job_id)
+    assert f"started on ort-cpu: {why}" in msgs, msgs
+    assert not any("NPU" in m for m in msgs), msgs
+    assert r.close(10)
+
+
+def test_running_hook_fires_on_enter_and_leave(world: World) -> None:
+    r = world.runner()
+    job = world.job()
+    r.start()
+    assert world.started.wait(10)
+    assert world.hook == [True]
+    assert r.request_pause(job.job_id, JobState.PAUSED, Blocked.PAUSED_BY_USER, "paused by the app")
+    _wait(lambda: world.jobs.get(job.job_id).state is JobState.PAUSED, "paused")
+    _wait(lambda: world.hook == [True, False], "release after the session ended")
+    assert r.close(10)
+
+
+def test_a_user_pause_in_progress_survives_a_daemon_kill(world: World) -> None:
+    job = world.job()
+    world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
+    world.jobs.transition(job.job_id, (JobState.RUNNING,), JobState.PAUSING, blocked=Blocked.PAUSED_BY_USER,
+                          detail="paused by the app")  # fmt: skip
+    # ... and the daemon was killed here. A new one starts:
+    r = world.runner()
+    r.start()
+    got = world.jobs.get(job.job_id)
+    assert (got.state, got.blocked) == (JobState.PAUSED, Blocked.PAUSED_BY_USER)
+    assert any("paused, resume continues from the start" in m for m in world.messages(job.job_id))
+    time.sleep(0.2)
+    assert world.requests == [], "a paused job does not train"
+    assert r.close(10)
+
+
+def test_a_condition_pause_in_progress_is_queued_again_after_a_kill(world: World) -> None:
+    job = world.job()
+    world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
+    world.jobs.transition(job.job_id, (JobState.RUNNING,), JobState.PAUSING, blocked=Blocked.NOT_CHARGING)
+    r = world.runner()
+    r.start()
+    assert world.started.wait(10), "conditions hold now: the job trains again"
+    assert r.close(10)
+    assert world.jobs.get(job.job_id).state is JobState.QUEUED
+
+
+def test_a_user_pause_in_progress_survives_a_graceful_stop(world: World) -> None:
+    r = world.runner()
+    job = world.job()
+    r.start()
+    assert world.started.wait(10)
+    assert r.request_pause(job.job_id, JobState.PAUSED, Blocked.PAUSED_BY_USER, "paused by the app")
+    assert r.close(10)
+    got = world.jobs.get(job.job_id)
+    assert (got.state, got.blocked) == (JobState.PAUSED, Blocked.PAUSED_BY_USER)
