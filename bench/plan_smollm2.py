@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget", type=float, default=0.05)
     ap.add_argument("--no-plan", action="store_true")
+    ap.add_argument("--no-layouts", action="store_true", help="skip the per-layout loss study")
+    ap.add_argument("--plan-out", type=Path, help="write the plan JSON here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"tokens": args.tokens, "labelled": int((lab != -100).sum()), "loss": {}}
     with torch.no_grad():
         res["loss"]["fp32"] = float(model(ids, lab))
-    for act in ("row", "tensor"):
+    for act in () if args.no_layouts else ("row", "tensor"):
         all8 = dict.fromkeys(weights, "w8a8")
         res["loss"][f"w8a8_{act}"] = layout_loss(model, sites, weights, all8, act, ids, lab)
         res["loss"][f"w8a8_{act}_head_fp32"] = layout_loss(model, sites, weights, {**all8, "lm_head": "fp32"}, act,
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         res["plan_seconds"] = time.perf_counter() - t1
         res["plan_summary"] = plan.summary()
         print(plan.table())
+        if args.plan_out:
+            args.plan_out.write_text(json.dumps(plan.to_dict()))
         print(f"planned in {res['plan_seconds']:.1f} s: {plan.summary()}")
         pl = {n: plan.precisions(n) for n in weights}
         frozen = {n: OrtCpuFrozenLinear(w, b, precision=pl[n][0], precision_bwd=pl[n][1], name=n)

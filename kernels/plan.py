@@ -118,6 +118,7 @@ class PrecisionPlan:
             "weight_bytes": self.weight_bytes(),
             "reference_weight_bytes": ref_bytes,
             "verified_error": self.verified.get("error", float("nan")),
+            "calibration": {k: round(v, 4) for k, v in self.calibration.items()},
             "budget": self.budget,
             "seconds": round(self.seconds, 2),
         }
@@ -204,6 +205,8 @@ class PrecisionPlan:
                     cells.append(f"{m.error:9.2e}/{m.cos:6.4f}" if m else f"{'-':>16}")
                 shape = f"{lp.shape[0]}x{lp.shape[1]}"
                 lines.append(f"{lp.name[:32]:<32} {shape:>11} {direction:<3} {chosen:<6} " + " ".join(cells))
+        if self.calibration:
+            lines.append("calibration: " + ", ".join(f"{k}={v:.3e}" for k, v in self.calibration.items()))
         for h in self.history:
             lines.append("verify run: " + ", ".join(f"{k}={v:.3e}" for k, v in h.items()))
         if self.verified:

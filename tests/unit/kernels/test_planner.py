@@ -168,3 +168,24 @@ def test_fast_mode_falls_back_to_the_reference_when_back_off_runs_out() -> None:
                           max_backoff=0)  # fmt: skip
     assert all(plan.precisions(n) == ("fp32", "fp32") for n in weights), plan.table()
     assert plan.verified["error"] == 0.0
+
+
+def test_knapsack_fills_the_budget_past_a_huge_layer_that_does_not_fit() -> None:
+    """A 28 MB lm_head has the best saving per error but alone exceeds the budget: small layers still go low."""
+    from lorad.kernels.plan import LayerPlan, Measurement
+    from lorad.kernels.planner import _choose
+
+    def local(d: str, e: float) -> Measurement:
+        nan = float("nan")
+        return Measurement(d, "w8a8", nan, nan, e, nan, nan, e, rel_y=e, local=True)
+
+    plans = {
+        "head": LayerPlan("head", (49152, 576), "fp32", "fp32", [local("fwd", 0.05), local("bwd", 0.05)]),
+        **{f"q{i}": LayerPlan(f"q{i}", (576, 576), "fp32", "fp32", [local("fwd", 0.01), local("bwd", 0.01)])
+           for i in range(5)},
+    }  # fmt: skip
+    total = _choose(plans, reference="fp32", budget=0.003, max_layer_error=0.1, cost="bytes", ref_time={},
+                    err=lambda m: m.error**2)  # fmt: skip
+    assert plans["head"].precision_fwd == "fp32"
+    assert sum(lp.precision_fwd == "w8a8" for lp in plans.values()) == 5  # all five small ones: 5 * 2e-4 fits
+    assert total <= 0.003
