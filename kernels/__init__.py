@@ -19,7 +19,8 @@ Overview (DESIGN.md §2, notes/qnn_htp.md):
   ``mode="fast"`` (default): one captured reference fwd+bwd, local per-layer drifts, whole-plan verification
   with back-off; ``mode="exact"``: one full fwd+bwd per (layer, candidate, direction).
 - ``load_or_plan(cache_dir, model, loss_fn, weights, model_hash=, backend=, ...)`` returns ``(plan, from_cache)``:
-  the plan cached for (model hash, backend, candidates, budget, planner version, layers, extra key) or a new one.
+  the plan cached for (model hash, backend, candidates, budget, planner version, layers, extra key) or a new one;
+  ``apply_plan(model, plan, weights, backend=)`` re-lowers a built model in place to a plan.
 - ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.
 """
 
@@ -27,7 +28,7 @@ from lorad.kernels._quant import PRECISIONS
 from lorad.kernels.detect import BackendInfo, detect_backend
 from lorad.kernels.frozen import BACKENDS, FrozenLinear, make_frozen_linear, memory_report
 from lorad.kernels.lora import FrozenMatmul, LoRALinear
-from lorad.kernels.plan_cache import load_or_plan
+from lorad.kernels.plan_cache import apply_plan, load_or_plan
 from lorad.kernels.planner import Measurement, PrecisionPlan, plan_precision
 from lorad.kernels.queue import NpuQueue
 
@@ -41,6 +42,7 @@ __all__ = [
     "Measurement",
     "NpuQueue",
     "PrecisionPlan",
+    "apply_plan",
     "detect_backend",
     "load_or_plan",
     "make_frozen_linear",

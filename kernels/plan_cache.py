@@ -1,4 +1,4 @@
-"""On-disk cache of precision plans keyed by what decides a plan, so a job (or its resume) never replans twice."""
+"""Plans in the product: an on-disk cache keyed by what decides a plan (a resume never replans), and applying one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from lorad.kernels._swap import frozen_sites, set_frozen
+from lorad.kernels.frozen import make_frozen_linear
 from lorad.kernels.plan import PLANNER_VERSION, PrecisionPlan
 from lorad.kernels.planner import plan_precision
 from torch import Tensor, nn
@@ -145,3 +147,42 @@ def load_or_plan(
     write_cached(path, key, plan)
     log.info("precision_plan_cached", path=str(path))
     return plan, False
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: PrecisionPlan,
+    weights: Mapping[str, tuple[Tensor, Tensor | None]],
+    *,
+    backend: str,
+    cache_dir: Path | None = None,
+    model_hash: str = "",
+) -> int:
+    """Re-lower ``model`` in place to ``plan``: each named layer whose precisions differ gets a new frozen linear.
+
+    Every reference to the old object is swapped (a projection and its LoRALinear share one), so the LoRA
+    parameters, optimizer state and RNG are untouched; no second model load is needed.
+
+    Args:
+        model: the model (as planned).
+        plan: the plan to apply (layers it does not name run at its reference precision).
+        weights: layer name -> (W, bias), as for ``plan_precision``.
+        backend: kernel backend.
+        cache_dir: backend cache (QNN EP contexts).
+        model_hash: base model hash (backend cache keys).
+
+    Returns:
+        How many layers were rebuilt.
+    """
+    rebuilt = 0
+    for n, (fl, sites) in frozen_sites(model, list(weights)).items():
+        pf, pb = plan.precisions(n)
+        if (fl.precision_fwd, fl.precision_bwd) == (pf, pb):
+            continue
+        w, b = weights[n]
+        new = make_frozen_linear(w, b, backend=backend, precision=pf, precision_bwd=pb, name=fl.name or n,
+                                 cache_dir=cache_dir, model_hash=model_hash)  # fmt: skip
+        set_frozen(sites, new)
+        rebuilt += 1
+    log.info("precision_plan_applied", rebuilt=rebuilt, layers=len(weights), weight_bytes=plan.weight_bytes())
+    return rebuilt

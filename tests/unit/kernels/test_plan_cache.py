@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from lorad.kernels.plan_cache import cache_path, load_or_plan, plan_key
 from structlog.testing import capture_logs
 from test_planner import _setup
@@ -70,3 +71,16 @@ def test_cache_path_is_stable_and_under_the_dir(tmp_path: Path) -> None:
     k = plan_key(model_hash="a", backend="torch", candidates=("w8a8",), budget=0.05)
     assert cache_path(tmp_path, k) == cache_path(tmp_path, dict(k))
     assert cache_path(tmp_path, k).parent == tmp_path
+
+
+def test_apply_plan_relowers_in_place_and_keeps_lora_parameters(tmp_path: Path) -> None:
+    from lorad.kernels import apply_plan
+
+    model, _, weights = _setup()
+    plan, _, _ = _plan(tmp_path, candidates=("w8a16",), budget=0.02)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    n = apply_plan(model, plan, weights, backend="torch")
+    assert n == sum(plan.precisions(k) != ("fp32", "fp32") for k in weights) and n >= 1
+    assert (model.easy.frozen.precision_fwd, model.easy.frozen.precision_bwd) == plan.precisions("easy")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert apply_plan(model, plan, weights, backend="torch") == 0  # already lowered
