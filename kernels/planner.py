@@ -302,7 +302,11 @@ def _plan_fast(
         # Drift scales like sqrt(Σe²): aim Σe² at (budget/drift)² of now, with 20% margin.
         for n, d in fast.raise_worst(lowered, now_sq, now_sq * (budget / drift["error"]) ** 2 * 0.8):
             f, b = choice[n]
-            choice[n] = (reference, b) if d == "fwd" else (f, reference)
+            f, b = (reference, b) if d == "fwd" else (f, reference)
+            shape = plans[n].shape
+            if cost == "bytes" and weight_bytes(shape, f, b) > weight_bytes(shape, reference, reference):
+                f, b = reference, reference  # one direction low alone stores two copies: raise the layer whole
+            choice[n] = (f, b)
         drift = verify_run(choice)
     for n, (pf, pb) in choice.items():
         plans[n].precision_fwd, plans[n].precision_bwd = pf, pb

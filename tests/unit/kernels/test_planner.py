@@ -189,3 +189,11 @@ def test_knapsack_fills_the_budget_past_a_huge_layer_that_does_not_fit() -> None
     assert plans["head"].precision_fwd == "fp32"
     assert sum(lp.precision_fwd == "w8a8" for lp in plans.values()) == 5  # all five small ones: 5 * 2e-4 fits
     assert total <= 0.003
+
+
+def test_back_off_never_leaves_a_layer_storing_two_copies() -> None:
+    model, loss_fn, weights = _chain_setup()
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=1e-3, max_layer_error=1.0)
+    for lp in plan.layers.values():
+        assert (lp.precision_fwd == "fp32") == (lp.precision_bwd == "fp32"), plan.table()
+    assert plan.weight_bytes() <= 4 * sum(w.numel() for w, _ in weights.values())
