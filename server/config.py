@@ -95,6 +95,21 @@ class ConditionsSection:
 
 
 @dataclass(frozen=True)
+class DeviceSection:
+    """Hooks into the device: a wake lock held only while a job trains."""
+
+    wake_lock_acquire: str = field(
+        default="", metadata=_help("Shell command run when a job starts training (e.g. take a wake lock); '' = none.")
+    )
+    wake_lock_release: str = field(
+        default="", metadata=_help("Shell command run when training stops and at shutdown; '' = none.")
+    )
+    wake_lock_timeout_seconds: float = field(
+        default=10.0, metadata=_help("Each hook command is killed after this many seconds, s.")
+    )
+
+
+@dataclass(frozen=True)
 class SchedulerSection:
     """Nightly windows."""
 
@@ -114,6 +129,10 @@ class TrainingSection:
     )
     model_dirs: tuple[str, ...] = field(default=(), metadata=_help("Extra HF model folders, named by folder name."))
     torch_threads: int = field(default=0, metadata=_help("torch intra-op threads for training; 0 = torch default."))
+    qnn_bundle: str = field(
+        default="",
+        metadata=_help("A `lorad prepare` bundle for the default model: train on qnn-htp from it; '' = none."),
+    )
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,7 @@ class Config:
     storage: StorageSection = field(default_factory=StorageSection)
     quotas: QuotaSection = field(default_factory=QuotaSection)
     conditions: ConditionsSection = field(default_factory=ConditionsSection)
+    device: DeviceSection = field(default_factory=DeviceSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -227,6 +247,14 @@ def _validate(cfg: Config) -> list[str]:
     check(c.probe != "file" or bool(c.probe_file), "conditions.probe_file='': required when conditions.probe = 'file'")
     check(c.poll_seconds > 0, f"conditions.poll_seconds={c.poll_seconds}: must be > 0")
     check(c.termux_timeout_seconds > 0, f"conditions.termux_timeout_seconds={c.termux_timeout_seconds}: must be > 0")
+    wl = cfg.device.wake_lock_timeout_seconds
+    check(0 < wl <= 120, f"device.wake_lock_timeout_seconds={wl}: must be > 0 and <= 120")
+    bundle = cfg.training.qnn_bundle
+    check(
+        not bundle or cfg.training.backend in ("auto", "qnn-htp"),
+        f"training.qnn_bundle is set but training.backend={cfg.training.backend!r}: a bundle runs on 'qnn-htp' "
+        "(or 'auto')",
+    )
     grace = cfg.scheduler.misfire_grace_hours
     check(grace >= 0, f"scheduler.misfire_grace_hours={grace}: must be >= 0")
     backend = cfg.training.backend

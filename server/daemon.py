@@ -20,6 +20,7 @@ from lorad.server.config import Config, ConfigError, load_config
 from lorad.server.device.probes import Probe
 from lorad.server.jobs import SessionFactory
 from lorad.server.logs import configure_logging
+from lorad.server.qnn_bundle import StartupError
 from lorad.server.rpc.adapter_inference_device import AdapterServicer, DeviceServicer, InferenceServicer
 from lorad.server.rpc.apps_data import AppServicer, DataServicer
 from lorad.server.rpc.interceptor import AuthInterceptor
@@ -123,6 +124,7 @@ class Daemon:
         if s is not None:
             ok = await asyncio.to_thread(s.runner.close, self.cfg.server.checkpoint_timeout_seconds)
             log.info("runner_stopped", checkpointed=ok)
+            await asyncio.to_thread(s.wake_lock.shutdown)  # release even if the worker is still inside a step
         if self.scheduler is not None:
             self.scheduler.shutdown()
         if s is not None:
@@ -174,6 +176,10 @@ def serve_main(argv: Sequence[str]) -> int:
     configure_logging(cfg.logging.level, cfg.logging.format)
     try:
         return asyncio.run(_serve(cfg))
+    except StartupError as exc:  # e.g. a QNN bundle made for another model or SoC
+        log.error("daemon_refused_to_start", error=str(exc)[:500])
+        print(f"lorad: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:  # e.g. the socket cannot be bound
         log.error("daemon_failed", error=str(exc)[:300])
         return 1

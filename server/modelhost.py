@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,12 @@ class ModelEntry:
 class ModelHost:
     """Resolves model names; loads each base once for inference (adapters are swapped per call, base stays)."""
 
-    def __init__(self, default_model: str, model_dirs: tuple[str, ...], cache_root: Path, backend: str) -> None:
+    def __init__(self, default_model: str, model_dirs: tuple[str, ...], cache_root: Path, backend: str,
+                 loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
+        """``loader`` has ``lorad.server.models.load_model``'s signature (default: that function)."""
         self.cache_root = cache_root
         self.backend_override = backend
+        self.loader = loader
         entries: list[ModelEntry] = []
         if default_model:
             p = Path(default_model).expanduser()
@@ -72,7 +76,7 @@ class ModelHost:
                 from lorad.server.training.recipe import resolve_precision
 
                 info = detect_backend(self.backend_override)
-                self._loaded[e.name] = load_model(
+                self._loaded[e.name] = (self.loader or load_model)(
                     e.source, cache_root=self.cache_root, backend=info.name,
                     precision=resolve_precision("auto", info.name), lora=None,
                 )  # fmt: skip

@@ -9,6 +9,7 @@ from lorad.server.auth import Authenticator, ensure_owner_token
 from lorad.server.config import Config
 from lorad.server.device.monitor import ConditionMonitor
 from lorad.server.device.probes import Probe, make_probe
+from lorad.server.device.wakelock import WakeLockHooks
 from lorad.server.domain import Job, Requirements
 from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
 from lorad.server.modelhost import ModelHost
@@ -35,6 +36,7 @@ class Services:
     models: ModelHost
     auth: Authenticator
     owner_token: str
+    wake_lock: WakeLockHooks
 
     @property
     def default_requirements(self) -> Requirements:
@@ -59,19 +61,29 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
     layout = Layout(data)
     hub = EventHub()
     cache_root = data / "cache"
-    models = ModelHost(cfg.training.default_model, cfg.training.model_dirs, cache_root, cfg.training.backend)
+    t = cfg.training
+    models = ModelHost(t.default_model, t.model_dirs, cache_root, t.backend)
+    backend, loader = t.backend, None
+    if t.qnn_bundle:  # checked before anything runs: a wrong bundle stops the start with a clear error
+        from lorad.server.qnn_bundle import bundle_loader, open_bundle
+
+        loader = bundle_loader(open_bundle(t.qnn_bundle, models.default, cache_root))
+        backend = "qnn-htp"
+        models = ModelHost(t.default_model, t.model_dirs, cache_root, backend, loader=loader)
     if factory is None:
         from lorad.server.jobs.engine import engine_factory
 
-        factory = engine_factory(models, cache_root, cfg.training.backend, cfg.training.torch_threads)
+        factory = engine_factory(models, cache_root, backend, t.torch_threads, loader=loader)
     c = cfg.conditions
     monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
+    dev = cfg.device
+    wake = WakeLockHooks(dev.wake_lock_acquire, dev.wake_lock_release, dev.wake_lock_timeout_seconds)
     runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints,
-                    backend_for=lambda job: job_backend(job, cfg.training.backend))  # fmt: skip
+                    backend_for=lambda job: job_backend(job, backend), on_running=wake.set_held)  # fmt: skip
     manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout)
     owner = ensure_owner_token(data)
     return Services(cfg, db, apps, samples, jobs, adapters, ScheduleRepo(db), layout, hub, runner, manager, monitor,
-                    models, Authenticator(owner, apps), owner)  # fmt: skip
+                    models, Authenticator(owner, apps), owner, wake)  # fmt: skip
 
 
 def job_backend(job: Job, configured: str) -> tuple[str, str]:

@@ -194,11 +194,14 @@ class EngineSession:
         return SessionOutcome(completed=True, adapter=art)
 
 
-def engine_factory(models: ModelHost, cache_root: Path, backend_override: str,
-                   torch_threads: int = 0) -> Callable[[SessionRequest], EngineSession]:  # fmt: skip
-    """The SessionFactory the daemon uses; ``torch_threads`` > 0 caps torch's intra-op threads (process-wide)."""
+def engine_factory(models: ModelHost, cache_root: Path, backend_override: str, torch_threads: int = 0,
+                   loader: Callable[..., Any] | None = None) -> Callable[[SessionRequest], EngineSession]:  # fmt: skip
+    """The SessionFactory the daemon uses; ``torch_threads`` > 0 caps torch's intra-op threads (process-wide).
+
+    ``loader`` replaces ``load_model`` (the QNN bundle loader when ``training.qnn_bundle`` is set).
+    """
     if torch_threads > 0:
         import torch
 
         torch.set_num_threads(torch_threads)
-    return lambda req: EngineSession(req, models, cache_root, backend_override)
+    return lambda req: EngineSession(req, models, cache_root, backend_override, loader)

@@ -18,11 +18,21 @@ def test_example_file_lists_every_key_and_loads_to_defaults() -> None:
     import dataclasses
     import tomllib
 
-    values = tomllib.loads(EXAMPLE.read_text())
+    text = EXAMPLE.read_text()
+    values = tomllib.loads(text)
     for sec in dataclasses.fields(Config):
         keys = {f.name for f in dataclasses.fields(type(getattr(Config(), sec.name)))}
+        if sec.name == "device":
+            # deploy/android/install.sh appends this table to a copy of the file, so it is documented in comments.
+            assert "[device]" not in text and "device" not in values
+            assert all(f"#   {k} = " in text for k in keys), keys
+            continue
         assert set(values[sec.name]) == keys, sec.name
     assert load_config(EXAMPLE, env={}) == Config()
+    # ... and the installer's copy (the example plus its appended table) loads too.
+    device = '[device]\nwake_lock_acquire = "/opt/lorad/bin/lorad-wakelock acquire"\n'
+    installed = build_config(tomllib.loads(text + "\n" + device), env={})
+    assert installed.device.wake_lock_acquire == "/opt/lorad/bin/lorad-wakelock acquire"
 
 
 def test_env_overrides_file(tmp_path: Path) -> None:

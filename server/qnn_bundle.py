@@ -1,0 +1,110 @@
+"""The configured QNN context bundle: checked against the default model at startup, then used to build it on qnn-htp."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from lorad.server.modelhost import ModelEntry
+
+if TYPE_CHECKING:
+    import torch
+
+log = structlog.get_logger(__name__)
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start with this configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PreparedBundle:
+    """A verified bundle and the model folder it was checked against."""
+
+    bundle: Any  # lorad.server.prepare.Bundle
+    model_dir: Path
+    source: Path | None  # the ModelEntry.source the bundle belongs to (None = the packaged default)
+
+
+def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundle:
+    """Loads ``path`` for ``entry``'s model on this device, keyed by ``model_hash_of_folder`` of its folder.
+
+    Raises:
+        StartupError: the bundle is for another model, SoC or runtime, is corrupt, or the model cannot be read.
+    """
+    from lorad.server.models.loader import resolve
+    from lorad.server.prepare import BundleError, load_bundle, model_hash_of_folder
+
+    root = Path(path).expanduser()
+    try:
+        folder = resolve(entry.source, cache_root).path  # a GGUF default is converted to an HF folder once
+        model_hash = model_hash_of_folder(folder)
+    except FileNotFoundError as exc:
+        raise StartupError(f"training.qnn_bundle = {str(root)!r}: cannot read the default model: {exc}") from None
+    try:
+        bundle = load_bundle(root, model_hash=model_hash)
+    except BundleError as exc:  # BundleMismatchError included
+        raise StartupError(f"training.qnn_bundle = {str(root)!r} refused: {exc}") from None
+    log.info("qnn_bundle_ready", bundle=str(root), model=entry.name, model_hash=model_hash[:12])
+    return PreparedBundle(bundle, folder, entry.source)
+
+
+def assemble(cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str, Any], lora: Any) -> Any:
+    """The CausalLM whose frozen projections are ``linears`` (layer name -> FrozenLinear), with LoRA on top.
+
+    build_model lays the model out; the projection weights are given to it as meta tensors (no memory), and each
+    layer's frozen placeholder is then swapped for the prepared one (LoRALinear resolves its queue per call, so a
+    swapped layer runs on its own backend's queue).
+
+    Raises:
+        ValueError: a projection of the model has no entry in ``linears``.
+    """
+    from lorad.server.models.build import build_model
+    from lorad.server.models.model import Linear
+
+    names = set(linears)
+    skeleton = {k: (v.to("meta") if k.rsplit(".", 1)[0] in names else v) for k, v in weights.items()}
+    model = build_model(cfg, skeleton, backend="torch", precision="fp32", lora=lora)
+    missing = []
+    for m in model.modules():
+        if isinstance(m, Linear):
+            lin = linears.get(m.name)
+            if lin is None:
+                missing.append(m.name)
+                continue
+            m.frozen = lin
+            m.lora.frozen = lin
+    if missing:
+        raise ValueError(f"no prepared linear for {len(missing)} layers: {missing[:5]}")
+    return model
+
+
+def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
+    """A loader with ``load_model``'s signature that builds ``pb``'s model on qnn-htp from the bundle.
+
+    Other models, and other backends a job asks for explicitly, load as usual.
+    """
+    from lorad.server.models.loader import LoadedModel, load_model, resolve
+
+    def load(source: str | Path | None = None, *, cache_root: Path, backend: str = "torch", precision: Any = "fp32",
+             lora: Any = None) -> Any:  # fmt: skip
+        same = (source is None and pb.source is None) or (
+            source is not None and pb.source is not None and Path(source).expanduser() == pb.source
+        )
+        if backend != "qnn-htp" or not same:
+            return load_model(source, cache_root=cache_root, backend=backend, precision=precision, lora=lora)
+        from lorad.server.models.hf_folder import read_config, read_weights
+        from lorad.server.models.tokenizer import ChatTokenizer
+        from lorad.server.prepare import open_frozen_linears
+
+        ck = resolve(source, cache_root)
+        cfg = read_config(ck.path)
+        linears = open_frozen_linears(pb.bundle, pb.model_dir)  # refuses any graph that would have to be built
+        model = assemble(cfg, read_weights(ck.path), linears, lora)
+        log.info("model_built_from_bundle", layers=len(linears), plan="bundle", requested_precision=str(precision))
+        return LoadedModel(model, ChatTokenizer.from_dir(ck.path), cfg, ck)
+
+    return load
