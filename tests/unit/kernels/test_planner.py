@@ -59,8 +59,9 @@ def _setup():
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_insensitive_layer_lowered_sensitive_kept_high(mode: str) -> None:
     model, loss_fn, weights = _setup()
+    # exact_share=1: no layer is measured globally, so fast mode is judged on its local measurements alone.
     plan = plan_precision(
-        model, loss_fn, weights, candidates=("fp16", "w8a16", "w8a8", "w4a16"), budget=0.02, mode=mode
+        model, loss_fn, weights, candidates=("fp16", "w8a16", "w8a8", "w4a16"), budget=0.02, mode=mode, exact_share=1
     )
     assert plan.mode == mode
     easy, hard = plan.layers["easy"], plan.layers["hard"]
@@ -88,7 +89,9 @@ def test_zero_budget_keeps_everything_at_reference_unless_free(mode: str) -> Non
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_plan_round_trips_through_json_and_prints_numbers(mode: str) -> None:
     model, loss_fn, weights = _setup()
-    plan = plan_precision(model, loss_fn, weights, candidates=("fp16", "w8a8"), budget=0.05, cost="time", mode=mode)
+    plan = plan_precision(
+        model, loss_fn, weights, candidates=("fp16", "w8a8"), budget=0.05, cost="time", mode=mode, exact_share=1
+    )
     text = json.dumps(plan.to_dict())
     back = PrecisionPlan.from_dict(json.loads(text))
     assert back.to_dict() == plan.to_dict()
@@ -197,3 +200,14 @@ def test_back_off_never_leaves_a_layer_storing_two_copies() -> None:
     for lp in plan.layers.values():
         assert (lp.precision_fwd == "fp32") == (lp.precision_bwd == "fp32"), plan.table()
     assert plan.weight_bytes() <= 4 * sum(w.numel() for w, _ in weights.values())
+
+
+def test_fast_mode_measures_a_dominant_layer_globally() -> None:
+    """The layer holding most weights (an lm_head) gets whole-model dA/dB measurements, the others local ones."""
+    model, loss_fn, weights = _setup()  # hard: 576 of 960 weights (60%), easy: 40%
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a16",), budget=0.05, exact_share=0.5)
+    hard, easy = plan.layers["hard"].measured("fwd", "w8a16"), plan.layers["easy"].measured("fwd", "w8a16")
+    assert not hard.local and not math.isnan(hard.rel_db) and hard.error > 0.1
+    assert easy.local and math.isnan(easy.rel_db)
+    assert plan.calibration["global_layers"] == 1.0
+    assert plan.precisions("hard") == ("fp32", "fp32")
