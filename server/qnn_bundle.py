@@ -36,7 +36,8 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
         StartupError: the bundle is for another model, SoC or runtime, is corrupt, or the model cannot be read.
     """
     from lorad.server.models.loader import resolve
-    from lorad.server.prepare import BundleError, load_bundle, model_hash_of_folder
+    from lorad.server.prepare import BundleError, model_hash_of_folder
+    from lorad.server.prepare.load import load_bundle  # = lorad.server.prepare.load_bundle (typed import path)
 
     root = Path(path).expanduser()
     try:
@@ -98,7 +99,7 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
             return load_model(source, cache_root=cache_root, backend=backend, precision=precision, lora=lora)
         from lorad.server.models.hf_folder import read_config, read_weights
         from lorad.server.models.tokenizer import ChatTokenizer
-        from lorad.server.prepare import open_frozen_linears
+        from lorad.server.prepare.load import open_frozen_linears
 
         ck = resolve(source, cache_root)
         cfg = read_config(ck.path)
