@@ -315,8 +315,8 @@ def _plan_fast(
     drift = verify_run(choice) if any(c != (reference, reference) for c in choice.values()) else nothing
     for it in range(max_backoff + 1):
         dirs = ("fwd", "bwd")
-        lowered = [(math.sqrt(sq(m)), n, d) for n, lp in plans.items() for d, p in zip(dirs, choice[n], strict=True)
-                   if p != reference and (m := lp.measured(d, p)) is not None]  # fmt: skip
+        lowered = [(math.sqrt(sq(mm)), n, d) for n, lp in plans.items() for d, p in zip(dirs, choice[n], strict=True)
+                   if p != reference and (mm := lp.measured(d, p)) is not None]  # fmt: skip
         plan.history.append({"iteration": float(it), "lowered": float(len(lowered)), **drift})
         if drift["error"] <= budget or not lowered:
             break
