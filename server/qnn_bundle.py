@@ -53,12 +53,16 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
     return PreparedBundle(bundle, folder, entry.source)
 
 
-def assemble(cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str, Any], lora: Any) -> Any:
+def assemble(cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str, Any], lora: Any,
+             embed_fp16: bool = False) -> Any:  # fmt: skip
     """The CausalLM whose frozen projections are ``linears`` (layer name -> FrozenLinear), with LoRA on top.
 
     build_model lays the model out; the projection weights are given to it as meta tensors (no memory), and each
     layer's frozen placeholder is then swapped for the prepared one (LoRALinear resolves its queue per call, so a
     swapped layer runs on its own backend's queue).
+
+    ``embed_fp16`` keeps the embedding table in fp16, as build_model does for a reduced-precision head (half the
+    bytes; the lookup is upcast per call).
 
     Raises:
         ValueError: a projection of the model has no entry in ``linears``.
@@ -80,6 +84,10 @@ def assemble(cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str
             m.lora.frozen = lin
     if missing:
         raise ValueError(f"no prepared linear for {len(missing)} layers: {missing[:5]}")
+    if embed_fp16:
+        import torch
+
+        model.embed_tokens = model.embed_tokens.to(torch.float16)  # drops the placeholder head's fp32 table
     return model
 
 
@@ -104,7 +112,8 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
         ck = resolve(source, cache_root)
         cfg = read_config(ck.path)
         linears = open_frozen_linears(pb.bundle, pb.model_dir)  # refuses any graph that would have to be built
-        model = assemble(cfg, read_weights(ck.path), linears, lora)
+        head_fwd, _ = pb.bundle.plan.for_layer("lm_head")
+        model = assemble(cfg, read_weights(ck.path), linears, lora, embed_fp16=head_fwd != "fp32")
         log.info("model_built_from_bundle", layers=len(linears), plan="bundle", requested_precision=str(precision))
         return LoadedModel(model, ChatTokenizer.from_dir(ck.path), cfg, ck)
 

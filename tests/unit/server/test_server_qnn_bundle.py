@@ -68,6 +68,7 @@ def test_daemon_builds_the_default_model_from_a_real_bundle(tmp_path: Path, monk
     load = bundle_loader(pb)
     lora = LoraConfig(rank=2, alpha=4.0, dropout=0.0, targets=("q", "v"))
     loaded = load(folder, cache_root=tmp_path / "cache", backend="qnn-htp", precision="fp16", lora=lora)
+    assert loaded.model.embed_tokens.dtype == torch.float16, "fp16 head: the lookup table is kept in fp16"
     lins = [m.frozen for m in loaded.model.modules() if isinstance(m, Linear)]
     assert lins and all(set(lin.sources.values()) <= {"cache", "shared"} for lin in lins), "nothing was built"
     cfg, weights = read_config(folder), read_weights(folder)
