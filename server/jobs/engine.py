@@ -125,9 +125,10 @@ class EngineSession:
 
             state["meta"] = meta
             losses = meta.get("eval_losses") or []
+            plan = meta.get("precision_plan") or meta.get("precision", "fp32")  # "auto": sha256, summary, layers
             md = AdapterMetadata(
                 base_model_hash=meta["base_model_hash"], tokenizer_hash=meta["tokenizer_hash"], rank=cfg.rank,
-                alpha=cfg.alpha, targets=tuple(cfg.targets), precision_plan=meta.get("precision", "fp32"),
+                alpha=cfg.alpha, targets=tuple(cfg.targets), precision_plan=plan,
                 backend=meta.get("backend", info.name), steps=int(meta.get("steps", 0)),
                 data_window={"samples": len(self.req.samples), **(meta.get("data_report") or {})},
                 metrics={k: float(v) for k, v in (("train_loss", meta.get("final_loss")),
@@ -189,7 +190,7 @@ class EngineSession:
             eval_loss_before=float("nan") if before is None else before,
             eval_loss_after=float(evals[-1][1]) if evals else float("nan"),
             sample_count=int(getattr(rep, "train_samples", len(self.req.samples))),
-            precision_plan=(("*", res.precision, res.precision),),
+            precision_plan=res.precision_plan or (("*", res.precision, res.precision),),
         )  # fmt: skip
         return SessionOutcome(completed=True, adapter=art)
 

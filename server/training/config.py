@@ -63,7 +63,14 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata=_meta("Checkpoints kept on disk (>= 1)."))
     seed: int = field(default=0, metadata=_meta("Seed for data order, adapter init and dropout (>= 0)."))
     backend: str = field(default="auto", metadata=_meta(f"Frozen-linear backend: one of {BACKENDS}."))
-    precision: str = field(default="auto", metadata=_meta("Precision plan name for frozen linears, e.g. 'fp32'."))
+    precision: str = field(
+        default="auto",
+        metadata=_meta("Frozen-linear precision, e.g. 'fp32'; 'auto' plans it per layer by gradient sensitivity."),
+    )
+    precision_budget: float = field(
+        default=0.1,
+        metadata=_meta("precision='auto': allowed relative drift of the LoRA gradients vs the reference, in (0, 1]."),
+    )
 
     def __post_init__(self) -> None:
         errors = _validate(self)
@@ -150,6 +157,7 @@ def _validate(c: TrainConfig) -> list[str]:
         "eps",
         "max_grad_norm",
         "eval_fraction",
+        "precision_budget",
     ]
     bad_num = {n for n in nums if not _is_num(getattr(c, n))}
     for n in sorted(bad_num):
@@ -165,6 +173,7 @@ def _validate(c: TrainConfig) -> list[str]:
         "eps": (lambda v: v > 0, "> 0"),
         "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
         "eval_fraction": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
+        "precision_budget": (lambda v: 0 < v <= 1, "in (0, 1]"),
     }
     for n, (ok, desc) in ranges.items():
         if n not in bad_num:

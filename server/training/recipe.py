@@ -14,13 +14,16 @@ import torch
 from lorad.server.training import checkpoint as ckpt
 from lorad.server.training.config import TrainConfig
 from lorad.server.training.data import DataReport, Sample, prepare
+from lorad.server.training.precision import JobPlan, plan_job, plans_here
 from lorad.server.training.trainer import Progress, Trainer
 
 log = structlog.get_logger(__name__)
 
-# Precision used for precision="auto" until a calibrated PrecisionPlan is passed in. ort-cpu stays fp32: w8a8 was
-# 1.3x faster on SmolLM2-135M but its held-out loss after 30 steps was 25% above PEFT fp32 (bench/train.py, Dec 2026),
-# far outside the 2% budget. HTP runs fp16 graphs natively.
+# Precision the model is loaded at for precision="auto": the reference the planner measures against, and the final
+# precision on torch (the reference backend, never planned). On ort-cpu and qnn-htp, "auto" then lowers each layer as
+# far as the measured LoRA-gradient drift allows (lorad.server.training.precision, budget cfg.precision_budget):
+# w8a8 everywhere on ort-cpu was 1.3x faster on SmolLM2-135M but 25% above PEFT fp32 in held-out loss after 30 steps
+# (bench/train.py, Dec 2026), so a uniform choice is not an option.
 AUTO_PRECISION = {"torch": "fp32", "ort-cpu": "fp32", "qnn-htp": "fp16"}
 
 
@@ -39,6 +42,10 @@ class RecipeResult:
     resumed_from: int | None = None
     adapter_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # (layer, forward, backward) per planned layer; ("*", p, p) for one precision everywhere.
+    precision_plan: tuple[tuple[str, str, str], ...] = ()
+    plan_summary: dict[str, Any] | None = None  # PrecisionPlan.summary() when precision "auto" planned
+    plan_sha256: str | None = None  # of work_dir/precision_plan.json
 
 
 def seed_everything(seed: int) -> None:
@@ -51,7 +58,7 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_precision(precision: str, backend: str) -> str:
-    """The precision name for a backend: `precision` itself, or the backend's AUTO_PRECISION for "auto"."""
+    """The precision a model is loaded at: `precision` itself, or for "auto" the backend's reference precision."""
     return AUTO_PRECISION.get(backend, "fp32") if precision == "auto" else precision
 
 
@@ -86,7 +93,7 @@ def run_recipe(
     Args:
         cfg: validated hyper-parameters.
         samples: the job's samples (a fixed data window; the checkpoint remembers its fingerprint).
-        work_dir: the job's directory: `checkpoints/` and, when finished, `adapter/`.
+        work_dir: the job's directory: `checkpoints/`, `precision_plan.json` (precision "auto") and `adapter/`.
         cache_root: model conversion + backend cache.
         model_source: HF folder, GGUF file, or None for the bundled SmolLM2-135M-Instruct.
         on_progress: called after every step.
@@ -114,6 +121,15 @@ def run_recipe(
     data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
     pad_id = tok.eos_id if tok.eos_id is not None else 0
     ckpt_dir = work_dir / "checkpoints"
+    ckpt.remove_stale_temps(ckpt_dir)
+    last = ckpt.latest(ckpt_dir)
+    job_plan: JobPlan | None = None
+    if plans_here(info.name, cfg.precision):
+        # Before the Trainer: its optimizer and hooks must see the re-lowered model. A resume reuses the job's plan.
+        job_plan = plan_job(loaded, cfg, data, pad_id=pad_id, backend=info.name, work_dir=work_dir,
+                            cache_root=cache_root, resuming=last is not None)  # fmt: skip
+        precision = "auto"
+    layers = job_plan.layers() if job_plan else (("*", precision, precision),)
     trainer = Trainer(
         loaded.model,
         cfg,
@@ -123,14 +139,13 @@ def run_recipe(
         on_progress=on_progress,
         should_pause=should_pause,
     )
-    ckpt.remove_stale_temps(ckpt_dir)
-    last = ckpt.latest(ckpt_dir)
     if last is not None:
         trainer.restore(last.path)
     log.info(
         "recipe_setup",
         backend=info.name,
         precision=precision,
+        plan_sha256=job_plan.sha256[:16] if job_plan else None,
         resumed_from=last.step if last else None,
         train_samples=data.report.train_samples,
         eval_samples=data.report.eval_samples,
@@ -147,6 +162,7 @@ def run_recipe(
                 "config": cfg.to_dict(),
                 "backend": info.name,
                 "precision": precision,
+                **({"precision_plan": job_plan.metadata()} if job_plan else {}),
                 "steps": res.step,
                 "data_fingerprint": data.fingerprint,
                 "data_report": data.report.to_dict(),
@@ -168,4 +184,7 @@ def run_recipe(
         data.report,
         last.step if last else None,
         adapter_dir,
+        precision_plan=layers,
+        plan_summary=job_plan.plan.summary() if job_plan else None,
+        plan_sha256=job_plan.sha256 if job_plan else None,
     )

@@ -1,0 +1,127 @@
+"""Precision "auto" in the recipe (tiny random Llama on ort-cpu): plan once, persist, reuse the same plan on resume."""
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from lorad.kernels import PrecisionPlan, plan_cache
+from lorad.server.models import build_model
+from lorad.server.training import recipe
+from lorad.server.training.checkpoint import CheckpointError
+from lorad.server.training.config import ConfigError, TrainConfig
+from lorad.server.training.precision import PLAN_FILE
+from safetensors.torch import save_file
+from test_train_recipe import CFG, MCFG, SAMPLES, _weights
+from train_tiny import CharTokenizer
+
+AUTO = replace(CFG, backend="ort-cpu", precision="auto", steps=4, eval_every=2, dropout=0.0)
+
+
+def hf_load(source: Any, *, cache_root: Path, backend: str, precision: Any, lora: Any) -> SimpleNamespace:
+    """The tiny model as the real loader returns it: built from an HF-style folder that `checkpoint.path` names."""
+    folder = cache_root / "tiny_hf"
+    if not folder.is_dir():
+        folder.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in _weights().items()}, str(folder / "model.safetensors"))
+    model = build_model(MCFG, _weights(), backend=backend, precision=precision, lora=lora)
+    return SimpleNamespace(model=model, tokenizer=CharTokenizer(), config=MCFG, model_hash="tiny",
+                           tokenizer_hash="char", checkpoint=SimpleNamespace(path=folder))  # fmt: skip
+
+
+def _run(work: Path, cache: Path, cfg: TrainConfig = AUTO, **kw: Any) -> Any:
+    return recipe.run_recipe(cfg, SAMPLES, work_dir=work, cache_root=cache, load=hf_load, **kw)
+
+
+@pytest.fixture
+def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of the planner behind load_or_plan."""
+    calls: list[int] = []
+    real = plan_cache.plan_precision
+
+    def spy(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(plan_cache, "plan_precision", spy)
+    return calls
+
+
+def test_auto_on_ort_cpu_plans_per_layer_and_persists(tmp_path: Path, plan_calls: list[int]) -> None:
+    rng: list[torch.Tensor] = []
+    real_plan_job = recipe.plan_job
+
+    def spy(*a: Any, **k: Any) -> Any:
+        rng.append(torch.random.get_rng_state())
+        out = real_plan_job(*a, **k)
+        rng.append(torch.random.get_rng_state())
+        return out
+
+    recipe.plan_job = spy  # type: ignore[assignment]
+    try:
+        r = _run(tmp_path / "job", tmp_path / "cache")
+    finally:
+        recipe.plan_job = real_plan_job  # type: ignore[assignment]
+    assert r.status == "completed" and r.precision == "auto" and plan_calls == [1]
+    assert torch.equal(rng[0], rng[1]), "planning moved the training RNG stream"
+    blob = (tmp_path / "job" / PLAN_FILE).read_bytes()
+    plan = PrecisionPlan.from_dict(json.loads(blob))
+    assert r.plan_sha256 == hashlib.sha256(blob).hexdigest()
+    names = {n for n, _, _ in r.precision_plan}
+    assert len(names) == 2 * 7 + 1 and "lm_head" in names and "model.layers.1.mlp.down_proj" in names
+    assert all(f in ("fp32", "w8a8") and b in ("fp32", "w8a8") for _, f, b in r.precision_plan)
+    assert r.precision_plan == tuple((n, *plan.precisions(n)) for n, _, _ in r.precision_plan)
+    assert r.plan_summary is not None and r.plan_summary["layers"] == 15 and r.plan_summary["mode"] == "fast"
+    meta = json.loads((r.adapter_dir / "training_metadata.json").read_text())
+    assert meta["precision"] == "auto" and meta["precision_plan"]["sha256"] == r.plan_sha256
+    assert [tuple(x) for x in meta["precision_plan"]["layers"]] == list(r.precision_plan)
+
+
+def test_resume_reuses_the_persisted_plan_without_planning(tmp_path: Path, plan_calls: list[int]) -> None:
+    cache = tmp_path / "cache"
+    ref = _run(tmp_path / "straight", cache)
+    assert plan_calls == [1]
+    # Layers are lowered, so a resume that forgot to apply the plan would train at fp32 and change the losses.
+    assert sum(f == "w8a8" for _, f, _ in ref.precision_plan) >= 8
+    n: list[int] = []
+    p = _run(tmp_path / "job", cache, on_progress=lambda pr: n.append(pr.step), should_pause=lambda: len(n) >= 2)
+    assert p.status == "paused" and p.step == 2 and plan_calls == [1]  # same key: the plan cache served it
+    plan_file = tmp_path / "job" / PLAN_FILE
+    before = plan_file.read_bytes()
+    # A resume must not even consult the cache: drop it, and fail loudly should anything try to plan.
+    for f in (cache / "plans").glob("*.json"):
+        f.unlink()
+    r = _run(tmp_path / "job", cache)
+    assert r.status == "completed" and r.resumed_from == 2 and plan_calls == [1]
+    assert plan_file.read_bytes() == before and not list((cache / "plans").glob("*.json"))
+    assert r.plan_sha256 == p.plan_sha256 == ref.plan_sha256 and r.precision_plan == ref.precision_plan
+    assert r.losses == ref.losses and r.eval_losses == ref.eval_losses
+
+
+def test_resume_without_plan_file_fails_clearly(tmp_path: Path, plan_calls: list[int]) -> None:
+    n: list[int] = []
+    _run(
+        tmp_path / "job", tmp_path / "cache", on_progress=lambda pr: n.append(pr.step), should_pause=lambda: len(n) >= 1
+    )
+    (tmp_path / "job" / PLAN_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"precision_plan\.json is missing"):
+        _run(tmp_path / "job", tmp_path / "cache")
+    assert plan_calls == [1]
+
+
+def test_torch_auto_stays_fp32_and_explicit_precision_is_one_layout(tmp_path: Path) -> None:
+    r = _run(tmp_path / "t", tmp_path / "cache", replace(AUTO, backend="torch", steps=2))
+    assert r.precision == "fp32" and r.precision_plan == (("*", "fp32", "fp32"),) and r.plan_sha256 is None
+    assert not (tmp_path / "t" / PLAN_FILE).exists()
+    r = _run(tmp_path / "o", tmp_path / "cache", replace(AUTO, precision="w8a8", steps=2))
+    assert r.precision_plan == (("*", "w8a8", "w8a8"),) and not (tmp_path / "o" / PLAN_FILE).exists()
+
+
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5, "x"])
+def test_precision_budget_is_validated(budget: Any) -> None:
+    with pytest.raises(ConfigError, match="precision_budget"):
+        TrainConfig(precision_budget=budget)
