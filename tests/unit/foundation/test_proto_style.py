@@ -19,7 +19,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> list[descriptor_pb2.FileD
     out = tmp_path_factory.mktemp("desc") / "set.pb"
     # Plain grpc_tools.protoc with proto/ as the only include root: no project code involved.
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--include_source_info", f"--descriptor_set_out={out}", *PROTOS],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--include_source_info",
+            f"--descriptor_set_out={out}",
+            *PROTOS,
+        ],
         cwd=PROTO_DIR,
         check=True,
         capture_output=True,
@@ -77,4 +85,14 @@ def test_job_states_are_the_documented_lifecycle(files: list[descriptor_pb2.File
     (jobs,) = [f for f in files if f.name == "lorad/v1/jobs.proto"]
     (state,) = [e for e in jobs.enum_type if e.name == "JobState"]
     names = [v.name.removeprefix("JOB_STATE_") for v in state.value]
-    assert names == ["UNSPECIFIED", "QUEUED", "WAITING", "RUNNING", "PAUSING", "PAUSED", "SUCCEEDED", "FAILED", "CANCELLED"]
+    assert names == [
+        "UNSPECIFIED",
+        "QUEUED",
+        "WAITING",
+        "RUNNING",
+        "PAUSING",
+        "PAUSED",
+        "SUCCEEDED",
+        "FAILED",
+        "CANCELLED",
+    ]

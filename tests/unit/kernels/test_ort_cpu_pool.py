@@ -3,9 +3,7 @@
 import gc
 
 import torch
-
-from lorad.kernels import make_frozen_linear
-from lorad.kernels import ort_cpu
+from lorad.kernels import make_frozen_linear, ort_cpu
 
 
 def test_same_shape_linears_share_sessions_and_keep_their_own_weights() -> None:
