@@ -49,8 +49,8 @@ proto: $(STAMP)
 
 # Fails when the checked-in generated code differs from a fresh generation.
 proto-check: $(STAMP)
-	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
-	$(MAKE) -s proto GEN_DIR=$$tmp >/dev/null || exit 1; \
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp" "$$tmp.log"' EXIT; \
+	$(MAKE) -s proto GEN_DIR=$$tmp >"$$tmp.log" 2>&1 || { cat "$$tmp.log" >&2; exit 1; }; \
 	fail=0; for f in $$(cd $$tmp && find lorad -type f | sort); do \
 		cmp -s "$$tmp/$$f" "proto/$$f" || { echo "stale generated file: proto/$$f (run make proto)" >&2; fail=1; }; \
 	done; \
