@@ -216,6 +216,23 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - t0
     rss_load, peak_load = _rss_mb()
     data, tok = _data(loaded.checkpoint.path, cfg)
+    plan_info: dict[str, Any] = {}
+    if system.startswith("lorad-auto"):
+        # The product's "auto": per-layer precisions from the gradient-sensitivity planner (cached per model).
+        import tempfile
+
+        from lorad.server.training.precision import plan_job, plans_here
+
+        if plans_here(backend, "auto"):
+            t_plan = time.perf_counter()
+            with tempfile.TemporaryDirectory() as work:
+                job = plan_job(loaded, cfg, data, pad_id=tok.eos_id or 0, backend=backend, work_dir=Path(work),
+                               cache_root=Path(a.cache), resuming=False)  # fmt: skip
+            counts: dict[str, int] = {}
+            for _n, pf, pb in job.layers():
+                counts[f"{pf}/{pb}"] = counts.get(f"{pf}/{pb}", 0) + 1
+            precision = "plan:" + ",".join(f"{k}x{v}" for k, v in sorted(counts.items()))
+            plan_info = {"plan_s": time.perf_counter() - t_plan, "plan": job.plan.summary()}
     trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id or 0)
     prof = None
     if a.profile:
@@ -258,6 +275,7 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
             "peak_rss_after_load_mb": peak_load,
             "clip_mode": clip_mode,
             "overlap": overlap,
+            **plan_info,
             "optim_ms_median": 1e3 * statistics.median(res.optim_times),
             "optim_wait_ms_median": 1e3 * statistics.median(res.optim_waits),
         },
