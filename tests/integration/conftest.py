@@ -15,39 +15,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
 
+from helpers import GOOD, Stubs
 from lorad.server.config import build_config
 from lorad.v1 import (
-    adapters_pb2_grpc,
     apps_pb2,
-    apps_pb2_grpc,
-    data_pb2_grpc,
-    device_pb2_grpc,
-    inference_pb2_grpc,
-    jobs_pb2_grpc,
 )
 from tiny_models import save_tiny_hf
-
-GOOD = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama (vocab 320, hidden 64) with a BPE tokenizer and a ChatML template."""
     return save_tiny_hf(tmp_path_factory.mktemp("models"), "llama")
-
-
-class Stubs:
-    """Sync stubs for every service on one channel, with a bearer token."""
-
-    def __init__(self, channel: grpc.Channel, token: str) -> None:
-        self.channel = channel
-        self.md = (("authorization", f"Bearer {token}"),)
-        self.apps = apps_pb2_grpc.AppServiceStub(channel)
-        self.data = data_pb2_grpc.DataServiceStub(channel)
-        self.jobs = jobs_pb2_grpc.JobServiceStub(channel)
-        self.adapters = adapters_pb2_grpc.AdapterServiceStub(channel)
-        self.inference = inference_pb2_grpc.InferenceServiceStub(channel)
-        self.device = device_pb2_grpc.DeviceServiceStub(channel)
 
 
 class DaemonHandle:

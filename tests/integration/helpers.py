@@ -7,10 +7,35 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from lorad.v1 import common_pb2, data_pb2, jobs_pb2
+from lorad.v1 import (
+    adapters_pb2_grpc,
+    apps_pb2_grpc,
+    common_pb2,
+    data_pb2,
+    data_pb2_grpc,
+    device_pb2_grpc,
+    inference_pb2_grpc,
+    jobs_pb2,
+    jobs_pb2_grpc,
+)
 
+GOOD = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}
 GOOD_PROBE = {"battery_percent": 90, "charging": True, "temperature_celsius": 30.0, "idle": True}
 FINAL = {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
+
+
+class Stubs:
+    """Sync stubs for every service on one channel, with a bearer token."""
+
+    def __init__(self, channel: grpc.Channel, token: str) -> None:
+        self.channel = channel
+        self.md = (("authorization", f"Bearer {token}"),)
+        self.apps = apps_pb2_grpc.AppServiceStub(channel)
+        self.data = data_pb2_grpc.DataServiceStub(channel)
+        self.jobs = jobs_pb2_grpc.JobServiceStub(channel)
+        self.adapters = adapters_pb2_grpc.AdapterServiceStub(channel)
+        self.inference = inference_pb2_grpc.InferenceServiceStub(channel)
+        self.device = device_pb2_grpc.DeviceServiceStub(channel)
 
 
 def chat(user: str, assistant: str) -> common_pb2.Sample:

@@ -47,7 +47,7 @@ def _config(tmp: Path, model: Path, **sections: dict[str, Any]) -> dict[str, Any
 
 def test_wake_lock_is_held_only_while_a_job_trains_and_released_at_shutdown(tmp_path: Path, tiny_llama: Path) -> None:
     import grpc
-    from conftest import Stubs
+    from helpers import Stubs
     from lorad.server.config import build_config
     from lorad.server.daemon import Daemon
     from lorad.v1 import apps_pb2

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import GOOD, Stubs
-from helpers import FINAL, append, create_job, get_job, wait_for, wait_state
+from helpers import FINAL, GOOD, Stubs, append, create_job, get_job, wait_for, wait_state
 from lorad.v1 import apps_pb2, jobs_pb2
 
 pytestmark = pytest.mark.integration
