@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 import torch
+from lorad.server.models.atomic import fsync_dir
 
 log = structlog.get_logger(__name__)
 
@@ -52,14 +53,6 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}.pt"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """Writes a file so that readers see the old file or the complete new one, never a partial one.
 
@@ -81,7 +74,7 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def capture_rng() -> dict[str, Any]:
