@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -23,13 +25,18 @@ def fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` so readers see either the old or the new file, never a partial one."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], object], *, tmp_prefix: str = ".") -> None:
+    """Writes a file so that readers see the old file or the complete new one, never a partial one.
+
+    Temp file in the same directory (named ``<tmp_prefix><name>.*``) → ``write(f)`` → flush + fsync → rename over
+    ``path`` → fsync the directory (so the rename itself survives a power cut). On any error the temp file is
+    removed and ``path`` is left untouched.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{tmp_prefix}{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         Path(tmp).replace(path)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +11,7 @@ from typing import Any
 
 import structlog
 import torch
-from lorad.server.models.atomic import fsync_dir
+from lorad.server.models.atomic import atomic_write as _atomic_write
 
 log = structlog.get_logger(__name__)
 
@@ -53,28 +51,15 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}.pt"
 
 
-def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Writes a file so that readers see the old file or the complete new one, never a partial one.
-
-    Temp file in the same directory → `write(f)` → flush + fsync → rename over `path` → fsync the directory (so the
-    rename itself survives a power cut). On any error the temp file is removed and `path` is left untouched.
+def atomic_write(path: Path, write: Callable[[Any], object]) -> None:
+    """Crash-safe write (``lorad.server.models.atomic.atomic_write``) with the temp prefix stale-temp cleanup
+    recognises.
 
     Args:
         path: final file path.
         write: callback that writes the content to the open binary file.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX + path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    _atomic_write(path, write, tmp_prefix=_TMP_PREFIX)
 
 
 def capture_rng() -> dict[str, Any]:
