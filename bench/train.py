@@ -84,7 +84,7 @@ def _sentence(r: random.Random) -> str:
 
 def corpus(n: int, seed: int = SEED) -> list[Any]:
     """n samples: 3 in 4 are short text paragraphs, 1 in 4 a user/assistant exchange (loss on the answer only)."""
-    from lorad.server.training.data import ChatSample, Message, TextSample
+    from lorad.server.engine.training.data import ChatSample, Message, TextSample
 
     r = random.Random(seed)
     out: list[Any] = []
@@ -108,7 +108,7 @@ def _rss_mb() -> tuple[float, float]:
 
 
 def _train_cfg(steps: int, backend: str, precision: str, clip_mode: str = "global", overlap: bool = True) -> Any:
-    from lorad.server.training.config import TrainConfig
+    from lorad.server.engine.training.config import TrainConfig
 
     return TrainConfig(
         rank=RANK,
@@ -134,8 +134,8 @@ def _train_cfg(steps: int, backend: str, precision: str, clip_mode: str = "globa
 
 
 def _data(model_dir: Path, cfg: Any) -> Any:
-    from lorad.server.models.tokenizer import ChatTokenizer
-    from lorad.server.training.data import prepare
+    from lorad.server.engine.models.tokenizer import ChatTokenizer
+    from lorad.server.engine.training.data import prepare
 
     tok = ChatTokenizer.from_dir(model_dir)
     return prepare(corpus(600), tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction), tok
@@ -193,10 +193,10 @@ def _summary(
 
 # -- workers -----------------------------------------------------------------------------------------------------
 def worker_lorad(system: str, a: argparse.Namespace) -> dict:
-    from lorad.server.models import LoraConfig
-    from lorad.server.models.loader import load_model
-    from lorad.server.training.recipe import resolve_precision, seed_everything
-    from lorad.server.training.trainer import Trainer
+    from lorad.server.engine.models import LoraConfig
+    from lorad.server.engine.models.loader import load_model
+    from lorad.server.engine.training.recipe import resolve_precision, seed_everything
+    from lorad.server.engine.training.trainer import Trainer
     from safetensors.torch import load_file
 
     backend, precision, clip_mode, overlap = ALL_LORAD[system]
@@ -221,7 +221,7 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
         # The product's "auto": per-layer precisions from the gradient-sensitivity planner (cached per model).
         import tempfile
 
-        from lorad.server.training.precision import plan_job, plans_here
+        from lorad.server.engine.training.precision import plan_job, plans_here
 
         if plans_here(backend, "auto"):
             t_plan = time.perf_counter()
@@ -286,10 +286,10 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     import peft
     import torch
     import transformers as tf
-    from lorad.server.models.loader import resolve
-    from lorad.server.training.packing import BatchStream, eval_batches
-    from lorad.server.training.recipe import seed_everything
-    from lorad.server.training.schedule import lr_at
+    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.training.packing import BatchStream, eval_batches
+    from lorad.server.engine.training.recipe import seed_everything
+    from lorad.server.engine.training.schedule import lr_at
     from safetensors.torch import load_file
 
     cfg = _train_cfg(a.steps, "torch", "fp32")
@@ -443,7 +443,7 @@ def main() -> None:
             a.init = str(Path(a.cache) / "bench-init-adapter.safetensors")
         run_worker(a)
         return
-    from lorad.server.models.loader import resolve
+    from lorad.server.engine.models.loader import resolve
 
     t0 = time.perf_counter()
     model_dir = resolve(None, Path(a.cache)).path  # converts the bundled GGUF once (cached afterwards)

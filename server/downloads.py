@@ -56,9 +56,9 @@ def _tar_dir(src: Path, dest: Path) -> None:
 
 
 def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
-    from lorad.server.adapters import export_gguf_lora, load_adapter
-    from lorad.server.models.hf_folder import read_config
-    from lorad.server.models.loader import resolve
+    from lorad.server.engine.adapters import export_gguf_lora, load_adapter
+    from lorad.server.engine.models.hf_folder import read_config
+    from lorad.server.engine.models.loader import resolve
 
     entry = models.entry(rec.base_model, field="adapter_id")
     ck = resolve(entry.source, models.cache_root)
@@ -68,8 +68,8 @@ def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
 
 
 def _merged(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
-    from lorad.server.adapters import export_merged, load_adapter
-    from lorad.server.models.loader import resolve
+    from lorad.server.engine.adapters import export_merged, load_adapter
+    from lorad.server.engine.models.loader import resolve
 
     entry = models.entry(rec.base_model, field="adapter_id")
     ck = resolve(entry.source, models.cache_root)

@@ -66,7 +66,7 @@ class Generator:
         self._adapters: dict[str, Any] = {}
 
     def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
-        from lorad.server.adapters import load_adapter
+        from lorad.server.engine.adapters import load_adapter
         from safetensors import SafetensorError
 
         if rec.adapter_id not in self._adapters:
@@ -85,7 +85,7 @@ class Generator:
 
     def stream(self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool]) -> Iterator[Piece]:
         """Yields text pieces (runs on a worker thread; stops early when ``cancelled()``)."""
-        from lorad.server.models.generate import SamplingConfig, generate
+        from lorad.server.engine.models.generate import SamplingConfig, generate
 
         base = req.base_model or (rec.base_model if rec else "")
         if rec is not None and req.base_model and self.models.entry(req.base_model).name != rec.base_model:

@@ -30,7 +30,7 @@ class ModelHost:
 
     def __init__(self, default_model: str, model_dirs: tuple[str, ...], cache_root: Path, backend: str,
                  loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
-        """``loader`` has ``lorad.server.models.load_model``'s signature (default: that function)."""
+        """``loader`` has ``lorad.server.engine.models.load_model``'s signature (default: that function)."""
         self.cache_root = cache_root
         self.backend_override = backend
         self.loader = loader
@@ -72,8 +72,8 @@ class ModelHost:
         with self._lock:
             if e.name not in self._loaded:
                 from lorad.kernels import detect_backend
-                from lorad.server.models import load_model
-                from lorad.server.training.recipe import resolve_precision
+                from lorad.server.engine.models import load_model
+                from lorad.server.engine.training.recipe import resolve_precision
 
                 info = detect_backend(self.backend_override)
                 self._loaded[e.name] = (self.loader or load_model)(

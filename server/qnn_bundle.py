@@ -24,7 +24,7 @@ class StartupError(RuntimeError):
 class PreparedBundle:
     """A verified bundle and the model folder it was checked against."""
 
-    bundle: Any  # lorad.server.prepare.Bundle
+    bundle: Any  # lorad.server.engine.prepare.Bundle
     model_dir: Path
     source: Path | None  # the ModelEntry.source the bundle belongs to (None = the packaged default)
 
@@ -35,9 +35,9 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
     Raises:
         StartupError: the bundle is for another model, SoC or runtime, is corrupt, or the model cannot be read.
     """
-    from lorad.server.models.loader import resolve
-    from lorad.server.prepare import BundleError, model_hash_of_folder
-    from lorad.server.prepare.load import load_bundle  # = lorad.server.prepare.load_bundle (typed import path)
+    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.prepare import BundleError, model_hash_of_folder
+    from lorad.server.engine.prepare.load import load_bundle  # = lorad.server.engine.prepare.load_bundle (typed import path)
 
     root = Path(path).expanduser()
     try:
@@ -67,8 +67,8 @@ def assemble(cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str
     Raises:
         ValueError: a projection of the model has no entry in ``linears``.
     """
-    from lorad.server.models.build import build_model
-    from lorad.server.models.model import Linear
+    from lorad.server.engine.models.build import build_model
+    from lorad.server.engine.models.model import Linear
 
     names = set(linears)
     skeleton = {k: (v.to("meta") if k.rsplit(".", 1)[0] in names else v) for k, v in weights.items()}
@@ -96,7 +96,7 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
 
     Other models, and other backends a job asks for explicitly, load as usual.
     """
-    from lorad.server.models.loader import LoadedModel, load_model, resolve
+    from lorad.server.engine.models.loader import LoadedModel, load_model, resolve
 
     def load(source: str | Path | None = None, *, cache_root: Path, backend: str = "torch", precision: Any = "fp32",
              lora: Any = None) -> Any:  # fmt: skip
@@ -105,9 +105,9 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
         )
         if backend != "qnn-htp" or not same:
             return load_model(source, cache_root=cache_root, backend=backend, precision=precision, lora=lora)
-        from lorad.server.models.hf_folder import read_config, read_weights
-        from lorad.server.models.tokenizer import ChatTokenizer
-        from lorad.server.prepare.load import open_frozen_linears
+        from lorad.server.engine.models.hf_folder import read_config, read_weights
+        from lorad.server.engine.models.tokenizer import ChatTokenizer
+        from lorad.server.engine.prepare.load import open_frozen_linears
 
         ck = resolve(source, cache_root)
         cfg = read_config(ck.path)

@@ -71,7 +71,7 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
         "prepare",
         help="build QNN NPU context bundles for a target SoC on a host (needs `pip install 'lorad[server]'`)",
         add_help=False,
-        description="All arguments are passed to `lorad.server.prepare`; `lorad prepare --help` shows its options.",
+        description="All arguments are passed to `lorad.server.engine.prepare`; `lorad prepare --help` shows its options.",
     )
     prep.add_argument("daemon_args", nargs=argparse.REMAINDER)
     prep.set_defaults(func=prepare)
@@ -252,8 +252,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Runs `lorad prepare` (lorad.server.prepare.prepare_main), imported only here."""
-    return _run_server_command("prepare_main", list(args.daemon_args), module="lorad.server.prepare")
+    """Runs `lorad prepare` (lorad.server.engine.prepare.prepare_main), imported only here."""
+    return _run_server_command("prepare_main", list(args.daemon_args), module="lorad.server.engine.prepare")
 
 
 def _run_server_command(entry: str, argv: list[str], module: str = "lorad.server") -> int:

@@ -1,4 +1,4 @@
-"""The real TrainingSession: runs lorad.server.training's recipe on the job's samples and saves a PEFT adapter."""
+"""The real TrainingSession: runs lorad.server.engine.training's recipe on the job's samples and saves a PEFT adapter."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ log = structlog.get_logger(__name__)
 
 
 def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Any]:
-    from lorad.server.training import ChatSample, Message, TextSample
+    from lorad.server.engine.training import ChatSample, Message, TextSample
 
     out: list[Any] = []
     for b in bodies:
@@ -37,8 +37,8 @@ def measure_base_eval_loss(loaded: Any, cfg: Any, samples: list[Any]) -> float |
     Returns:
         The token-weighted mean loss, or None when the job has no held-out samples.
     """
-    from lorad.server.training import Trainer, prepare
-    from lorad.server.training.checkpoint import capture_rng, restore_rng
+    from lorad.server.engine.training import Trainer, prepare
+    from lorad.server.engine.training.checkpoint import capture_rng, restore_rng
 
     tok = loaded.tokenizer
     data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
@@ -59,16 +59,16 @@ class EngineSession:
 
     def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend_override: str,
                  loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
-        """``loader`` has ``lorad.server.models.load_model``'s signature (default: that function)."""
+        """``loader`` has ``lorad.server.engine.models.load_model``'s signature (default: that function)."""
         self.req, self.models, self.cache_root, self.backend_override = req, models, cache_root, backend_override
         if loader is None:
-            from lorad.server.models.loader import load_model
+            from lorad.server.engine.models.loader import load_model
 
             loader = load_model
         self.loader = loader
 
     def _train_config(self) -> Any:
-        from lorad.server.training import ConfigError, TrainConfig
+        from lorad.server.engine.training import ConfigError, TrainConfig
 
         p = self.req.spec.params
         backend = p.backend if p.backend != "auto" else self.backend_override
@@ -89,8 +89,8 @@ class EngineSession:
     def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
         """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
         from lorad.kernels import detect_backend
-        from lorad.server.training import DataError, run_recipe
-        from lorad.server.training.checkpoint import CheckpointError, list_checkpoints
+        from lorad.server.engine.training import DataError, run_recipe
+        from lorad.server.engine.training.checkpoint import CheckpointError, list_checkpoints
 
         cfg = self._train_config()
         entry = self.models.entry(self.req.spec.params.base_model)
@@ -121,7 +121,7 @@ class EngineSession:
             scan_checkpoints(float(pr.loss))
 
         def save(model: Any, out: Path, meta: dict[str, Any]) -> Path:
-            from lorad.server.adapters import Adapter, AdapterMetadata, save_adapter
+            from lorad.server.engine.adapters import Adapter, AdapterMetadata, save_adapter
 
             state["meta"] = meta
             losses = meta.get("eval_losses") or []

@@ -81,8 +81,8 @@ def test_wake_lock_is_held_only_while_a_job_trains_and_released_at_shutdown(tmp_
 
 def _foreign_bundle(root: Path) -> str:
     """A well-formed bundle manifest for another model (hand-written, as tests/unit/deploy does; no QNN needed)."""
-    from lorad.server.prepare.build import versions
-    from lorad.server.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
+    from lorad.server.engine.prepare.build import versions
+    from lorad.server.engine.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
 
     (root / "contexts").mkdir(parents=True)
     f = root / "contexts/a_ctx.onnx"
@@ -99,7 +99,7 @@ def _foreign_bundle(root: Path) -> str:
 
 
 def test_a_bundle_for_another_model_is_refused_at_startup(tmp_path: Path, tiny_llama: Path) -> None:
-    from lorad.server.prepare import model_hash_of_folder
+    from lorad.server.engine.prepare import model_hash_of_folder
 
     other = _foreign_bundle(tmp_path / "bundle")
     values = _config(tmp_path, tiny_llama, training={"backend": "auto", "qnn_bundle": str(tmp_path / "bundle")})

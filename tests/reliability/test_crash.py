@@ -67,8 +67,8 @@ def _check_disk(d: SubprocessDaemon, app_id: str) -> tuple[int, list[str]]:
     """
     import sqlite3
 
-    from lorad.server.adapters import load_adapter
-    from lorad.server.training import checkpoint as ckpt
+    from lorad.server.engine.adapters import load_adapter
+    from lorad.server.engine.training import checkpoint as ckpt
 
     problems: list[str] = []
     newest = -1

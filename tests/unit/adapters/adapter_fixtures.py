@@ -11,8 +11,8 @@ import torch
 # The tiny-model builders live with the model tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
-from lorad.server.adapters import Adapter, AdapterMetadata
-from lorad.server.models import LoadedModel, LoraConfig, load_model
+from lorad.server.engine.adapters import Adapter, AdapterMetadata
+from lorad.server.engine.models import LoadedModel, LoraConfig, load_model
 from tiny_models import save_tiny_hf
 
 

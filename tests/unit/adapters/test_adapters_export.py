@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from adapter_fixtures import Trained
-from lorad.server.adapters import export_gguf_lora, export_merged
-from lorad.server.models.gguf_read import unpermute_qk
+from lorad.server.engine.adapters import export_gguf_lora, export_merged
+from lorad.server.engine.models.gguf_read import unpermute_qk
 
 IDS = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(2))
 
@@ -47,7 +47,7 @@ def test_gguf_lora_reads_back(trained: Trained, tmp_path: Path) -> None:
 
 def test_llama_gguf_lora_matches_permuted_base_delta(trained: Trained, tmp_path: Path) -> None:
     """For Llama, B·A in GGUF layout must equal the permutation applied to the HF delta (as llama.cpp adds it)."""
-    from lorad.server.models.gguf_read import permute_qk
+    from lorad.server.engine.models.gguf_read import permute_qk
 
     cfg = trained.lm.config
     if cfg.arch != "llama":

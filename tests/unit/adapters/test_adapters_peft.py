@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from adapter_fixtures import Trained, make_trained
-from lorad.server.adapters import (
+from lorad.server.engine.adapters import (
     AdapterBaseMismatchError,
     AdapterMetadata,
     apply_adapter,
     load_adapter,
     save_adapter,
 )
-from lorad.server.models import LoraConfig, load_model
+from lorad.server.engine.models import LoraConfig, load_model
 
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(9))
 ATOL = 1e-4  # fp32 on both sides; observed max |diff| ~1e-6

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.prepare import BundleError, BundleMismatchError, model_hash_of_folder, prepare_main, resolve_soc
-from lorad.server.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
+from lorad.server.engine.prepare import BundleError, BundleMismatchError, model_hash_of_folder, prepare_main, resolve_soc
+from lorad.server.engine.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
 
 from ._tiny import write_tiny_qwen2
 
@@ -40,10 +40,10 @@ def test_cli_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_frozen_linear_names_match_build_model(tmp_path: Path) -> None:
-    from lorad.server.models.build import build_model
-    from lorad.server.models.hf_folder import read_config, read_weights
-    from lorad.server.models.model import Linear
-    from lorad.server.prepare.build import frozen_linears
+    from lorad.server.engine.models.build import build_model
+    from lorad.server.engine.models.hf_folder import read_config, read_weights
+    from lorad.server.engine.models.model import Linear
+    from lorad.server.engine.prepare.build import frozen_linears
 
     folder = write_tiny_qwen2(tmp_path / "m")
     cfg, weights = read_config(folder), read_weights(folder)
@@ -56,7 +56,7 @@ def test_frozen_linear_names_match_build_model(tmp_path: Path) -> None:
 
 def _fake_bundle(root: Path, **over: object) -> Manifest:
     """A bundle with one small file and a hand-written manifest (no QNN needed)."""
-    from lorad.server.prepare.build import versions
+    from lorad.server.engine.prepare.build import versions
 
     (root / "contexts").mkdir(parents=True)
     f = root / "contexts/a_ctx.onnx"
@@ -79,7 +79,7 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
 
 
 def test_refuses_other_model_other_soc_other_runtime_and_corruption(tmp_path: Path) -> None:
-    from lorad.server.prepare.load import load_bundle
+    from lorad.server.engine.prepare.load import load_bundle
 
     root = tmp_path / "b"
     _fake_bundle(root)
@@ -156,9 +156,9 @@ def test_bundle_loads_on_the_simulator_and_matches_a_fresh_build(
     prepared: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lorad.kernels import make_frozen_linear
-    from lorad.server.models.hf_folder import read_config, read_weights
-    from lorad.server.prepare.build import frozen_linears
-    from lorad.server.prepare.load import load_bundle, open_frozen_linears
+    from lorad.server.engine.models.hf_folder import read_config, read_weights
+    from lorad.server.engine.prepare.build import frozen_linears
+    from lorad.server.engine.prepare.load import load_bundle, open_frozen_linears
 
     model, bundle_dir = prepared
     # The simulator stands in for the phone: it reports the bundle's SoC through the kernels' override.
@@ -168,7 +168,7 @@ def test_bundle_loads_on_the_simulator_and_matches_a_fresh_build(
     loaded = open_frozen_linears(bundle, model)  # raises if any graph had to be built
     sources = [how for lin in loaded.values() for how in lin.sources.values()]
     assert set(sources) <= {"cache", "shared"} and "cache" in sources, sources  # nothing built
-    from lorad.server.prepare.build import fresh_session_pool
+    from lorad.server.engine.prepare.build import fresh_session_pool
 
     fresh_session_pool()  # the fresh builds below must build, not reuse the bundle's pooled sessions
     specs = {s.name: s for s in frozen_linears(read_config(model), read_weights(model))}
@@ -193,7 +193,7 @@ def test_bundle_loads_on_the_simulator_and_matches_a_fresh_build(
 def test_loaded_bundle_refused_for_other_soc_or_model(
     prepared: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from lorad.server.prepare.load import load_bundle
+    from lorad.server.engine.prepare.load import load_bundle
 
     model, bundle_dir = prepared
     monkeypatch.setenv("LORAD_QNN_SOC_MODEL", "69")  # the device is an 8 Elite

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.models import OWN, AdapterWeights, LoraConfig, load_model
-from lorad.server.models.generate import SamplingConfig, generate, generate_ids
+from lorad.server.engine.models import OWN, AdapterWeights, LoraConfig, load_model
+from lorad.server.engine.models.generate import SamplingConfig, generate, generate_ids
 from tiny_models import save_tiny_hf, write_tiny_gguf
 
 
@@ -32,7 +32,7 @@ def test_kv_cache_greedy_equals_no_cache(lm) -> None:
 
 
 def test_kv_cache_logits_match_full_forward(lm) -> None:
-    from lorad.server.models import KVCache
+    from lorad.server.engine.models import KVCache
 
     ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_bad_sampling_config_lists_all_errors() -> None:
 def test_real_smollm2_convert_load_generate(tmp_path: Path) -> None:
     import time
 
-    from lorad.server.models import default_model_path
+    from lorad.server.engine.models import default_model_path
 
     t0 = time.perf_counter()
     first = load_model(default_model_path(), cache_root=tmp_path)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.models.cache import read_manifest
-from lorad.server.models.gguf_read import read_gguf
-from lorad.server.models.loader import load_model, resolve
+from lorad.server.engine.models.cache import read_manifest
+from lorad.server.engine.models.gguf_read import read_gguf
+from lorad.server.engine.models.loader import load_model, resolve
 from tiny_models import CORPUS, save_tiny_hf, write_tiny_gguf
 from tokenizers import Tokenizer
 

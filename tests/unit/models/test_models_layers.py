@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from lorad.server.models.layers import _RMSNorm, _SwiGLU, linear_cross_entropy
+from lorad.server.engine.models.layers import _RMSNorm, _SwiGLU, linear_cross_entropy
 
 
 def test_rmsnorm_gradcheck() -> None:

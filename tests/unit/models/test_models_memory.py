@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.models.build import build_model
-from lorad.server.models.config import LoraConfig
-from lorad.server.models.hf_folder import read_config, read_weights
+from lorad.server.engine.models.build import build_model
+from lorad.server.engine.models.config import LoraConfig
+from lorad.server.engine.models.hf_folder import read_config, read_weights
 
 
 @pytest.mark.parametrize("backend", ["torch", "ort-cpu"])

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from lorad.kernels import make_frozen_linear
-from lorad.server.models.build import build_model
-from lorad.server.models.config import LoraConfig
-from lorad.server.models.hf_folder import read_config, read_weights
-from lorad.server.models.model import Linear
+from lorad.server.engine.models.build import build_model
+from lorad.server.engine.models.config import LoraConfig
+from lorad.server.engine.models.hf_folder import read_config, read_weights
+from lorad.server.engine.models.model import Linear
 from lorad.server.qnn_bundle import assemble
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -53,7 +53,7 @@ def test_a_missing_linear_is_an_error(tmp_path: Path) -> None:
 def test_daemon_builds_the_default_model_from_a_real_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lorad.kernels.qnn_htp import htp_unavailable_reason
     from lorad.server.modelhost import ModelEntry
-    from lorad.server.prepare import prepare_main
+    from lorad.server.engine.prepare import prepare_main
     from lorad.server.qnn_bundle import bundle_loader, open_bundle
 
     if reason := htp_unavailable_reason():

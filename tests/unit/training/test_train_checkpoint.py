@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.training import checkpoint as ckpt
-from lorad.server.training.config import TrainConfig
+from lorad.server.engine.training import checkpoint as ckpt
+from lorad.server.engine.training.config import TrainConfig
 from train_tiny import make_trainer
 
 HERE = Path(__file__).parent
@@ -60,7 +60,7 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, {str(HERE)!r})
 from train_tiny import make_trainer
-from lorad.server.training.config import TrainConfig
+from lorad.server.engine.training.config import TrainConfig
 t = make_trainer(TrainConfig(steps=6, seq_len=32, eval_fraction=0.0), Path({str(tmp_path)!r}))
 t.train_step(); t.save_checkpoint(); t.train_step()
 Path.replace = lambda self, target: os._exit(9)  # die like kill -9 after the temp file is written and fsynced

@@ -1,7 +1,7 @@
 """TrainConfig validation: every bad value is named, all at once."""
 
 import pytest
-from lorad.server.training.config import ConfigError, TrainConfig
+from lorad.server.engine.training.config import ConfigError, TrainConfig
 
 
 def test_defaults_are_valid() -> None:

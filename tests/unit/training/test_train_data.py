@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from lorad.server.training.data import ChatSample, DataError, Message, TextSample, is_eval, prepare, sample_hash
-from lorad.server.training.packing import IGNORE, BatchStream, eval_batches, pack, target_count
+from lorad.server.engine.training.data import ChatSample, DataError, Message, TextSample, is_eval, prepare, sample_hash
+from lorad.server.engine.training.packing import IGNORE, BatchStream, eval_batches, pack, target_count
 from train_tiny import EOS, IM_END, CharTokenizer, corpus
 
 TOK = CharTokenizer()

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 from lorad.kernels import PrecisionPlan, plan_cache
-from lorad.server.models import build_model
-from lorad.server.training import recipe
-from lorad.server.training.checkpoint import CheckpointError
-from lorad.server.training.config import ConfigError, TrainConfig
-from lorad.server.training.precision import PLAN_FILE
+from lorad.server.engine.models import build_model
+from lorad.server.engine.training import recipe
+from lorad.server.engine.training.checkpoint import CheckpointError
+from lorad.server.engine.training.config import ConfigError, TrainConfig
+from lorad.server.engine.training.precision import PLAN_FILE
 from safetensors.torch import save_file
 from test_train_recipe import CFG, MCFG, SAMPLES, _weights
 from train_tiny import CharTokenizer

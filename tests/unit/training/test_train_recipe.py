@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from lorad.server.models import ModelConfig, build_model
-from lorad.server.training.config import TrainConfig
-from lorad.server.training.recipe import run_recipe
+from lorad.server.engine.models import ModelConfig, build_model
+from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.training.recipe import run_recipe
 from safetensors.torch import load_file
 from train_tiny import VOCAB, CharTokenizer, corpus
 

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from lorad.server.training.schedule import lr_at
+from lorad.server.engine.training.schedule import lr_at
 
 
 def test_warmup_then_cosine() -> None:

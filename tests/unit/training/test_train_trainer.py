@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.training import checkpoint as ckpt
-from lorad.server.training.config import TrainConfig
-from lorad.server.training.trainer import Progress
+from lorad.server.engine.training import checkpoint as ckpt
+from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.training.trainer import Progress
 from train_tiny import make_trainer
 
 CFG = TrainConfig(

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import torch
-from lorad.server.training import checkpoint as ckpt
-from lorad.server.training.config import TrainConfig
+from lorad.server.engine.training import checkpoint as ckpt
+from lorad.server.engine.training.config import TrainConfig
 from train_tiny import make_trainer
 
 CFG = TrainConfig(

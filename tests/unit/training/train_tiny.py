@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from lorad.server.training.data import ChatSample, Message, TextSample
+from lorad.server.engine.training.data import ChatSample, Message, TextSample
 from torch import nn
 
 VOCAB = 64
@@ -129,8 +129,8 @@ def corpus(n: int, seed: int = 0) -> list[TextSample | ChatSample]:
 
 def make_trainer(cfg, ckpt_dir=None, n_samples: int = 60, **kw):  # type: ignore[no-untyped-def]
     """A Trainer over TinyLM and the tiny corpus; the adapter init is seeded by cfg.seed."""
-    from lorad.server.training.data import prepare
-    from lorad.server.training.trainer import Trainer
+    from lorad.server.engine.training.data import prepare
+    from lorad.server.engine.training.trainer import Trainer
 
     torch.manual_seed(cfg.seed)
     model = TinyLM(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout)

@@ -9,8 +9,8 @@ from typing import Any
 import structlog
 import torch
 from lorad.kernels import LoRALinear, make_frozen_linear
-from lorad.server.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
-from lorad.server.models.model import MLP, Attention, Block, CausalLM, Linear
+from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
+from lorad.server.engine.models.model import MLP, Attention, Block, CausalLM, Linear
 from torch import Tensor
 
 log = structlog.get_logger(__name__)

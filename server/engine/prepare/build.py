@@ -17,8 +17,8 @@ from typing import Any
 
 import structlog
 import torch
-from lorad.server.models.config import TARGET_TO_HF, ModelConfig
-from lorad.server.prepare.manifest import (
+from lorad.server.engine.models.config import TARGET_TO_HF, ModelConfig
+from lorad.server.engine.prepare.manifest import (
     CONTEXTS,
     GraphEntry,
     Manifest,
@@ -27,7 +27,7 @@ from lorad.server.prepare.manifest import (
     sha256_file,
     write_manifest,
 )
-from lorad.server.prepare.socs import SocTarget
+from lorad.server.engine.prepare.socs import SocTarget
 from torch import Tensor
 
 log = structlog.get_logger(__name__)
@@ -37,7 +37,7 @@ DIRECTIONS = ("fwd", "bwd")
 
 @dataclass(frozen=True)
 class LinearSpec:
-    """One frozen linear of the model, named exactly as lorad.server.models.build_model names it."""
+    """One frozen linear of the model, named exactly as lorad.server.engine.models.build_model names it."""
 
     name: str
     weight: Tensor  # [out, in]
@@ -182,7 +182,7 @@ def build_bundle(
     """
     from lorad.kernels import make_frozen_linear
     from lorad.kernels.qnn_htp import htp_unavailable_reason
-    from lorad.server.models.hf_folder import read_config, read_weights
+    from lorad.server.engine.models.hf_folder import read_config, read_weights
 
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")

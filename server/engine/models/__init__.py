@@ -11,12 +11,12 @@ Public surface:
 - ``ChatTokenizer``: ``encode``, ``decode``, ``render_chat(messages) -> (ids, assistant_mask)``, ``stop_ids``
 """
 
-from lorad.server.models.build import build_model
-from lorad.server.models.config import LORA_TARGETS, LoraConfig, ModelConfig
-from lorad.server.models.kv_cache import KVCache
-from lorad.server.models.loader import LoadedModel, default_model_path, load_model, resolve
-from lorad.server.models.model import OWN, AdapterWeights, CausalLM
-from lorad.server.models.tokenizer import ChatTokenizer
+from lorad.server.engine.models.build import build_model
+from lorad.server.engine.models.config import LORA_TARGETS, LoraConfig, ModelConfig
+from lorad.server.engine.models.kv_cache import KVCache
+from lorad.server.engine.models.loader import LoadedModel, default_model_path, load_model, resolve
+from lorad.server.engine.models.model import OWN, AdapterWeights, CausalLM
+from lorad.server.engine.models.tokenizer import ChatTokenizer
 
 __all__ = [
     "LORA_TARGETS",

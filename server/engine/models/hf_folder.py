@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from lorad.server.models.config import ModelConfig
+from lorad.server.engine.models.config import ModelConfig
 from torch import Tensor
 
 

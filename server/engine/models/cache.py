@@ -11,8 +11,8 @@ from pathlib import Path
 
 import structlog
 import torch
-from lorad.server.models.atomic import commit_dir, make_temp_dir
-from lorad.server.models.config import ModelConfig
+from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
+from lorad.server.engine.models.config import ModelConfig
 from safetensors.torch import save_file
 from torch import Tensor
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import structlog
 import torch
-from lorad.server.training import checkpoint as ckpt
-from lorad.server.training.config import TrainConfig
-from lorad.server.training.data import PreparedData
-from lorad.server.training.packing import BatchStream
+from lorad.server.engine.training import checkpoint as ckpt
+from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.training.data import PreparedData
+from lorad.server.engine.training.packing import BatchStream
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +57,7 @@ def frozen_weights(loaded: Any) -> Weights:
     Read from the model's checkpoint folder; the caller drops the mapping once the plan is applied (it is a full
     fp32 copy of the linears: 540 MB for SmolLM2-135M).
     """
-    from lorad.server.models.hf_folder import read_weights
+    from lorad.server.engine.models.hf_folder import read_weights
 
     w = read_weights(Path(loaded.checkpoint.path))
     keys = set(w.keys())

@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 import structlog
 import torch
-from lorad.server.training import checkpoint as ckpt
-from lorad.server.training.config import TrainConfig
-from lorad.server.training.data import PreparedData
-from lorad.server.training.optim import LayerwiseAdamW, StepStats
-from lorad.server.training.packing import BatchStream, eval_batches, target_count
-from lorad.server.training.schedule import lr_at
+from lorad.server.engine.training import checkpoint as ckpt
+from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.training.data import PreparedData
+from lorad.server.engine.training.optim import LayerwiseAdamW, StepStats
+from lorad.server.engine.training.packing import BatchStream, eval_batches, target_count
+from lorad.server.engine.training.schedule import lr_at
 from torch import nn
 
 log = structlog.get_logger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 import torch
-from lorad.server.models.atomic import atomic_write as _atomic_write
+from lorad.server.engine.models.atomic import atomic_write as _atomic_write
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +52,7 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 
 
 def atomic_write(path: Path, write: Callable[[Any], object]) -> None:
-    """Crash-safe write (``lorad.server.models.atomic.atomic_write``) with the temp prefix stale-temp cleanup
+    """Crash-safe write (``lorad.server.engine.models.atomic.atomic_write``) with the temp prefix stale-temp cleanup
     recognises.
 
     Args:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import structlog
-from lorad.server.prepare.manifest import BundleError
-from lorad.server.prepare.socs import SOCS, resolve_soc
+from lorad.server.engine.prepare.manifest import BundleError
+from lorad.server.engine.prepare.socs import SOCS, resolve_soc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,8 +62,8 @@ def _run(args: argparse.Namespace) -> int:
         for t in SOCS:
             print(f"{t.chip:8s} {t.name:38s} soc_model={t.soc_model:3s} htp_arch={t.htp_arch}")
         return 0
-    from lorad.server.prepare.build import build_bundle
-    from lorad.server.prepare.load import check_bundle
+    from lorad.server.engine.prepare.build import build_bundle
+    from lorad.server.engine.prepare.load import check_bundle
 
     try:
         if args.check_only:

@@ -8,14 +8,14 @@ Public surface:
 - ``run_recipe``, ``RecipeResult`` (recipe: setup → train → save → cleanup)
 """
 
-from lorad.server.training import checkpoint
-from lorad.server.training.config import ConfigError, TrainConfig
-from lorad.server.training.data import ChatSample, DataError, DataReport, Message, PreparedData, TextSample, prepare
-from lorad.server.training.optim import LayerwiseAdamW
-from lorad.server.training.packing import BatchStream, pack
-from lorad.server.training.recipe import RecipeResult, run_recipe
-from lorad.server.training.schedule import lr_at
-from lorad.server.training.trainer import Progress, Trainer, TrainResult
+from lorad.server.engine.training import checkpoint
+from lorad.server.engine.training.config import ConfigError, TrainConfig
+from lorad.server.engine.training.data import ChatSample, DataError, DataReport, Message, PreparedData, TextSample, prepare
+from lorad.server.engine.training.optim import LayerwiseAdamW
+from lorad.server.engine.training.packing import BatchStream, pack
+from lorad.server.engine.training.recipe import RecipeResult, run_recipe
+from lorad.server.engine.training.schedule import lr_at
+from lorad.server.engine.training.trainer import Progress, Trainer, TrainResult
 
 __all__ = [
     "BatchStream",

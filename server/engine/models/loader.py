@@ -10,19 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from lorad.server.models.build import build_model
-from lorad.server.models.cache import (
+from lorad.server.engine.models.build import build_model
+from lorad.server.engine.models.cache import (
     CheckpointDir,
     read_manifest,
     source_key,
     weights_hash,
     write_checkpoint,
 )
-from lorad.server.models.config import LoraConfig, ModelConfig
-from lorad.server.models.gguf_read import read_gguf
-from lorad.server.models.hf_folder import is_hf_folder, read_config, read_weights
-from lorad.server.models.model import CausalLM
-from lorad.server.models.tokenizer import ChatTokenizer
+from lorad.server.engine.models.config import LoraConfig, ModelConfig
+from lorad.server.engine.models.gguf_read import read_gguf
+from lorad.server.engine.models.hf_folder import is_hf_folder, read_config, read_weights
+from lorad.server.engine.models.model import CausalLM
+from lorad.server.engine.models.tokenizer import ChatTokenizer
 from tokenizers import Tokenizer
 
 log = structlog.get_logger(__name__)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# Short linear names, as in lorad.server.models.LORA_TARGETS (PEFT names are q_proj, ..., down_proj).
+# Short linear names, as in lorad.server.engine.models.LORA_TARGETS (PEFT names are q_proj, ..., down_proj).
 DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 SCHEDULES = ("cosine", "linear", "constant")
 CLIP_MODES = ("global", "per_layer")

@@ -12,19 +12,19 @@ Public surface:
 - ``model_hash_of_folder(folder)``: the model hash bundles are keyed by.
 """
 
-from lorad.server.prepare.cli import prepare_main
-from lorad.server.prepare.manifest import BundleError, BundleMismatchError, Manifest, model_hash_of_folder
-from lorad.server.prepare.socs import SOCS, SocTarget, resolve_soc
+from lorad.server.engine.prepare.cli import prepare_main
+from lorad.server.engine.prepare.manifest import BundleError, BundleMismatchError, Manifest, model_hash_of_folder
+from lorad.server.engine.prepare.socs import SOCS, SocTarget, resolve_soc
 
 
 def __getattr__(name: str) -> object:
-    # build/load import torch and the kernels; keep `import lorad.server.prepare` (and --list-socs) light.
+    # build/load import torch and the kernels; keep `import lorad.server.engine.prepare` (and --list-socs) light.
     if name in ("build_bundle",):
-        from lorad.server.prepare import build
+        from lorad.server.engine.prepare import build
 
         return getattr(build, name)
     if name in ("Bundle", "load_bundle", "open_frozen_linears", "check_bundle"):
-        from lorad.server.prepare import load
+        from lorad.server.engine.prepare import load
 
         return getattr(load, name)
     raise AttributeError(name)

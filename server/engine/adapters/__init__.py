@@ -7,13 +7,13 @@ Public surface:
   ``apply_adapter(model, adapter, model_hash=, tokenizer_hash=)``
 - ``AdapterBaseMismatchError``: raised when an adapter meets a different base model or tokenizer
 - ``export_gguf_lora(adapter, path, cfg)``: llama.cpp LoRA; ``export_merged(base_dir, adapter, out_dir)``: merged model
-- crash-safe writes use ``lorad.server.models.atomic`` (temp -> fsync -> rename)
+- crash-safe writes use ``lorad.server.engine.models.atomic`` (temp -> fsync -> rename)
 """
 
-from lorad.server.adapters.gguf_lora import export_gguf_lora
-from lorad.server.adapters.merge import export_merged, merge_weights
-from lorad.server.adapters.metadata import AdapterMetadata
-from lorad.server.adapters.peft_io import (
+from lorad.server.engine.adapters.gguf_lora import export_gguf_lora
+from lorad.server.engine.adapters.merge import export_merged, merge_weights
+from lorad.server.engine.adapters.metadata import AdapterMetadata
+from lorad.server.engine.adapters.peft_io import (
     Adapter,
     AdapterBaseMismatchError,
     apply_adapter,

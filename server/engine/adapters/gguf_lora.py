@@ -9,10 +9,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import structlog
-from lorad.server.adapters.peft_io import Adapter
-from lorad.server.models.atomic import fsync_dir
-from lorad.server.models.config import ModelConfig
-from lorad.server.models.gguf_read import gguf_name, permute_qk
+from lorad.server.engine.adapters.peft_io import Adapter
+from lorad.server.engine.models.atomic import fsync_dir
+from lorad.server.engine.models.config import ModelConfig
+from lorad.server.engine.models.gguf_read import gguf_name, permute_qk
 
 log = structlog.get_logger(__name__)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from lorad.server.adapters.metadata import METADATA_FILE, AdapterMetadata
-from lorad.server.models.atomic import commit_dir, make_temp_dir
-from lorad.server.models.config import TARGET_TO_HF, LoraConfig
-from lorad.server.models.model import AdapterWeights, CausalLM
+from lorad.server.engine.adapters.metadata import METADATA_FILE, AdapterMetadata
+from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
+from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig
+from lorad.server.engine.models.model import AdapterWeights, CausalLM
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor

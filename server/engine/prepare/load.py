@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from lorad.server.prepare.build import DIRECTIONS, fresh_session_pool, frozen_linears, targeting, versions
-from lorad.server.prepare.manifest import (
+from lorad.server.engine.prepare.build import DIRECTIONS, fresh_session_pool, frozen_linears, targeting, versions
+from lorad.server.engine.prepare.manifest import (
     CONTEXTS,
     BundleError,
     BundleMismatchError,
@@ -19,7 +19,7 @@ from lorad.server.prepare.manifest import (
     read_manifest,
     verify_files,
 )
-from lorad.server.prepare.socs import SocTarget, describe_options, soc_for_options
+from lorad.server.engine.prepare.socs import SocTarget, describe_options, soc_for_options
 
 log = structlog.get_logger(__name__)
 
@@ -148,7 +148,7 @@ def open_frozen_linears(bundle: Bundle, model_dir: Path) -> dict[str, Any]:
         BundleError: some graph was not in the bundle and had to be built (lists them).
     """
     from lorad.kernels import make_frozen_linear
-    from lorad.server.models.hf_folder import read_config, read_weights
+    from lorad.server.engine.models.hf_folder import read_config, read_weights
 
     cfg = read_config(model_dir)
     weights = read_weights(model_dir)
@@ -183,8 +183,8 @@ def check_bundle(root: Path, model_dir: Path, *, limit: int | None = None, seed:
         BundleError / BundleMismatchError: the bundle does not load (see load_bundle, open_frozen_linears).
     """
     from lorad.kernels import make_frozen_linear
-    from lorad.server.models.hf_folder import read_config, read_weights
-    from lorad.server.prepare.manifest import model_hash_of_folder
+    from lorad.server.engine.models.hf_folder import read_config, read_weights
+    from lorad.server.engine.prepare.manifest import model_hash_of_folder
 
     m = read_manifest(root)
     target = soc_for_options(m.soc_model, m.htp_arch) or SocTarget(m.soc_chip, m.soc_name, m.soc_model, m.htp_arch)

@@ -11,17 +11,17 @@ from typing import Any
 
 import structlog
 import torch
-from lorad.server.training import checkpoint as ckpt
-from lorad.server.training.config import TrainConfig
-from lorad.server.training.data import DataReport, Sample, prepare
-from lorad.server.training.precision import JobPlan, plan_job, plans_here
-from lorad.server.training.trainer import Progress, Trainer
+from lorad.server.engine.training import checkpoint as ckpt
+from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.training.data import DataReport, Sample, prepare
+from lorad.server.engine.training.precision import JobPlan, plan_job, plans_here
+from lorad.server.engine.training.trainer import Progress, Trainer
 
 log = structlog.get_logger(__name__)
 
 # Precision the model is loaded at for precision="auto": the reference the planner measures against, and the final
 # precision on torch (the reference backend, never planned). On ort-cpu and qnn-htp, "auto" then lowers each layer as
-# far as the measured LoRA-gradient drift allows (lorad.server.training.precision, budget cfg.precision_budget):
+# far as the measured LoRA-gradient drift allows (lorad.server.engine.training.precision, budget cfg.precision_budget):
 # w8a8 everywhere on ort-cpu was 1.3x faster on SmolLM2-135M but 25% above PEFT fp32 in held-out loss after 30 steps
 # (bench/train.py, Dec 2026), so a uniform choice is not an option.
 AUTO_PRECISION = {"torch": "fp32", "ort-cpu": "fp32", "qnn-htp": "fp16"}
@@ -98,7 +98,7 @@ def run_recipe(
         model_source: HF folder, GGUF file, or None for the bundled SmolLM2-135M-Instruct.
         on_progress: called after every step.
         should_pause: polled at step boundaries; True → checkpoint and return status "paused".
-        load: model loader with `lorad.server.models.loader.load_model`'s signature (tests inject tiny models).
+        load: model loader with `lorad.server.engine.models.loader.load_model`'s signature (tests inject tiny models).
         save_adapter: writes the finished adapter; returns its directory.
 
     Returns:
@@ -106,10 +106,10 @@ def run_recipe(
     """
     # -- setup ---------------------------------------------------------------------------------------------------
     from lorad.kernels import detect_backend
-    from lorad.server.models import LoraConfig
+    from lorad.server.engine.models import LoraConfig
 
     if load is None:
-        from lorad.server.models.loader import load_model
+        from lorad.server.engine.models.loader import load_model
 
         load = load_model
     info = detect_backend(cfg.backend)

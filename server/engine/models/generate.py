@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
-from lorad.server.models.kv_cache import KVCache
-from lorad.server.models.model import AdapterWeights, CausalLM
-from lorad.server.models.tokenizer import ChatTokenizer
+from lorad.server.engine.models.kv_cache import KVCache
+from lorad.server.engine.models.model import AdapterWeights, CausalLM
+from lorad.server.engine.models.tokenizer import ChatTokenizer
 from torch import Tensor
 
 log = structlog.get_logger(__name__)

@@ -6,7 +6,7 @@ import math
 from typing import Any, Protocol
 
 import torch
-from lorad.server.models.config import ModelConfig
+from lorad.server.engine.models.config import ModelConfig
 from torch import Tensor
 
 

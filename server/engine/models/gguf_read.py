@@ -12,7 +12,7 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from lorad.server.models.config import ModelConfig
+from lorad.server.engine.models.config import ModelConfig
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from lorad.kernels import LoRALinear
 from lorad.kernels.torch_backend import TorchFrozenLinear
-from lorad.server.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
-from lorad.server.models.kv_cache import KVCache
-from lorad.server.models.layers import apply_rope, linear_cross_entropy, rms_norm, rope_inv_freq, swiglu
+from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
+from lorad.server.engine.models.kv_cache import KVCache
+from lorad.server.engine.models.layers import apply_rope, linear_cross_entropy, rms_norm, rope_inv_freq, swiglu
 from torch import Tensor, nn
 
 
@@ -149,7 +149,7 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder. Build it with `lorad.server.models.build.build_model`; only LoRA tensors are parameters."""
+    """The decoder. Build it with `lorad.server.engine.models.build.build_model`; only LoRA tensors are parameters."""
 
     embed_tokens: Tensor
     norm: Tensor

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from lorad.server.models.config import ModelConfig
+from lorad.server.engine.models.config import ModelConfig
 from torch import Tensor
 
 
