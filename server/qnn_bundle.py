@@ -37,7 +37,9 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
     """
     from lorad.server.engine.models.loader import resolve
     from lorad.server.engine.prepare import BundleError, model_hash_of_folder
-    from lorad.server.engine.prepare.load import load_bundle  # = lorad.server.engine.prepare.load_bundle (typed import path)
+    from lorad.server.engine.prepare.load import (
+        load_bundle,  # = lorad.server.engine.prepare.load_bundle (typed import path)
+    )
 
     root = Path(path).expanduser()
     try:

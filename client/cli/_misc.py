@@ -71,7 +71,7 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
         "prepare",
         help="build QNN NPU context bundles for a target SoC on a host (needs `pip install 'lorad[server]'`)",
         add_help=False,
-        description="All arguments are passed to `lorad.server.engine.prepare`; `lorad prepare --help` shows its options.",
+        description="All arguments go to `lorad.server.engine.prepare`; `lorad prepare --help` shows its options.",
     )
     prep.add_argument("daemon_args", nargs=argparse.REMAINDER)
     prep.set_defaults(func=prepare)

@@ -1,4 +1,4 @@
-"""The real TrainingSession: runs lorad.server.engine.training's recipe on the job's samples and saves a PEFT adapter."""
+"""The real TrainingSession: runs the engine's training recipe on the job's samples and saves a PEFT adapter."""
 
 from __future__ import annotations
 

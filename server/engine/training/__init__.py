@@ -10,7 +10,15 @@ Public surface:
 
 from lorad.server.engine.training import checkpoint
 from lorad.server.engine.training.config import ConfigError, TrainConfig
-from lorad.server.engine.training.data import ChatSample, DataError, DataReport, Message, PreparedData, TextSample, prepare
+from lorad.server.engine.training.data import (
+    ChatSample,
+    DataError,
+    DataReport,
+    Message,
+    PreparedData,
+    TextSample,
+    prepare,
+)
 from lorad.server.engine.training.optim import LayerwiseAdamW
 from lorad.server.engine.training.packing import BatchStream, pack
 from lorad.server.engine.training.recipe import RecipeResult, run_recipe

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.server.engine.prepare import BundleError, BundleMismatchError, model_hash_of_folder, prepare_main, resolve_soc
+from lorad.server.engine.prepare import (
+    BundleError,
+    BundleMismatchError,
+    model_hash_of_folder,
+    prepare_main,
+    resolve_soc,
+)
 from lorad.server.engine.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
 
 from ._tiny import write_tiny_qwen2

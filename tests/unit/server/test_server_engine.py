@@ -71,10 +71,10 @@ def _run(tiny: Path, work: Path, before: float | None, steps: int = 3) -> tuple[
 
 def _base_eval_loss(tiny: Path, cache: Path) -> float:
     """Independent reference: the base model without any LoRA over the trainer's held-out batches."""
-    from lorad.server.jobs.engine import _training_samples
     from lorad.server.engine.models.loader import load_model
     from lorad.server.engine.training import prepare
     from lorad.server.engine.training.packing import eval_batches, target_count
+    from lorad.server.jobs.engine import _training_samples
 
     loaded = load_model(tiny, cache_root=cache, backend="torch", precision="fp32", lora=None)
     tok = loaded.tokenizer

@@ -52,8 +52,8 @@ def test_a_missing_linear_is_an_error(tmp_path: Path) -> None:
 @pytest.mark.htp
 def test_daemon_builds_the_default_model_from_a_real_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lorad.kernels.qnn_htp import htp_unavailable_reason
-    from lorad.server.modelhost import ModelEntry
     from lorad.server.engine.prepare import prepare_main
+    from lorad.server.modelhost import ModelEntry
     from lorad.server.qnn_bundle import bundle_loader, open_bundle
 
     if reason := htp_unavailable_reason():
