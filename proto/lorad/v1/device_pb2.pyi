@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from lorad.v1 import common_pb2 as _common_pb2
 from lorad.v1 import jobs_pb2 as _jobs_pb2
 import builtins as _builtins
@@ -19,6 +20,32 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _DeviceProfile:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeviceProfileEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeviceProfile.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DEVICE_PROFILE_UNSPECIFIED: _DeviceProfile.ValueType  # 0
+    DEVICE_PROFILE_PHONE: _DeviceProfile.ValueType  # 1
+    """Battery powered, gates on charger, battery and temperature; an unreadable sensor means "wait"."""
+    DEVICE_PROFILE_LAPTOP: _DeviceProfile.ValueType  # 2
+    """Battery powered, gates on charger and battery; temperature only when it can be read."""
+    DEVICE_PROFILE_SERVER: _DeviceProfile.ValueType  # 3
+    """On mains power (desktop, server, VM): no charger, battery or temperature gate."""
+
+class DeviceProfile(_DeviceProfile, metaclass=_DeviceProfileEnumTypeWrapper):
+    """What kind of machine the daemon gates training for ([device] profile in the daemon config)."""
+
+DEVICE_PROFILE_UNSPECIFIED: DeviceProfile.ValueType  # 0
+DEVICE_PROFILE_PHONE: DeviceProfile.ValueType  # 1
+"""Battery powered, gates on charger, battery and temperature; an unreadable sensor means "wait"."""
+DEVICE_PROFILE_LAPTOP: DeviceProfile.ValueType  # 2
+"""Battery powered, gates on charger and battery; temperature only when it can be read."""
+DEVICE_PROFILE_SERVER: DeviceProfile.ValueType  # 3
+"""On mains power (desktop, server, VM): no charger, battery or temperature gate."""
+Global___DeviceProfile: _TypeAlias = DeviceProfile  # noqa: Y015
 
 @_typing.final
 class BackendStatus(_message.Message):
@@ -213,6 +240,9 @@ class GetDeviceStatusResponse(_message.Message):
     CURRENT_JOB_STATE_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
+    PROFILE_REASON_FIELD_NUMBER: _builtins.int
+    UNBLOCK_HINT_FIELD_NUMBER: _builtins.int
     can_train: _builtins.bool
     """Whether the default requirements hold now."""
     blocked_detail: _builtins.str
@@ -223,6 +253,12 @@ class GetDeviceStatusResponse(_message.Message):
     """State of that job."""
     version: _builtins.str
     """Daemon version."""
+    profile: Global___DeviceProfile.ValueType
+    """The device profile in force."""
+    profile_reason: _builtins.str
+    """Why that profile, e.g. "auto: no battery in /sys/class/power_supply and no termux-battery-status"."""
+    unblock_hint: _builtins.str
+    """When training is blocked: the command or config setting that changes it; empty otherwise."""
     @_builtins.property
     def backend(self) -> Global___BackendStatus:
         """Compute backend."""
@@ -251,10 +287,13 @@ class GetDeviceStatusResponse(_message.Message):
         current_job_state: _jobs_pb2.JobState.ValueType = ...,
         models: _abc.Iterable[Global___ModelInfo] | None = ...,
         version: _builtins.str = ...,
+        profile: Global___DeviceProfile.ValueType = ...,
+        profile_reason: _builtins.str = ...,
+        unblock_hint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "readings", b"readings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blocked_detail", b"blocked_detail", "blocked_reasons", b"blocked_reasons", "can_train", b"can_train", "current_job_id", b"current_job_id", "current_job_state", b"current_job_state", "models", b"models", "readings", b"readings", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "blocked_detail", b"blocked_detail", "blocked_reasons", b"blocked_reasons", "can_train", b"can_train", "current_job_id", b"current_job_id", "current_job_state", b"current_job_state", "models", b"models", "profile", b"profile", "profile_reason", b"profile_reason", "readings", b"readings", "unblock_hint", b"unblock_hint", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
