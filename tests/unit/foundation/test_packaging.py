@@ -70,3 +70,31 @@ def test_sdk_import_pulls_in_no_compute_stack(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _lower_bound(requires: list[str], name: str) -> tuple[int, ...]:
+    (req,) = [r for r in requires if re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] == name and "extra ==" not in r]
+    found = re.search(r">=\s*([0-9.]+)", req)
+    assert found, req
+    return tuple(int(p) for p in found.group(1).split("."))
+
+
+def test_generated_code_runs_with_the_federated_extra(wheel: Path) -> None:
+    """The base ranges admit the generated code's runtime, and protobuf 6 (flwr caps protobuf < 7) stays allowed."""
+    meta = zipfile.ZipFile(wheel).read(next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("METADATA")))
+    requires = email.message_from_bytes(meta).get_all("Requires-Dist") or []
+    gen_dir = ROOT / "proto" / "lorad" / "v1"
+    stamps = {
+        tuple(int(x) for x in m.groups())
+        for f in gen_dir.glob("*_pb2.py")
+        for m in [re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", f.read_text())]
+        if m
+    }
+    (gencode,) = stamps  # one protoc made every file
+    assert _lower_bound(requires, "protobuf") == gencode  # runtime must be >= gencode; no tighter than needed
+    assert gencode[0] == 6, "flwr (the federated extra) needs protobuf < 7: generate with a protobuf-6 protoc"
+    grpc_stamps = {re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", f.read_text()) for f in gen_dir.glob("*_grpc.py")}
+    (grpc_gen,) = {tuple(int(p) for p in m.group(1).split(".")) for m in grpc_stamps if m}
+    assert _lower_bound(requires, "grpcio") == grpc_gen
+    federated = [r for r in requires if 'extra == "federated"' in r]
+    assert any(r.startswith("flwr==") for r in federated), federated
