@@ -50,6 +50,7 @@ JOB_STATE = _EnumMap(jobs_pb2.JobState, "JOB_STATE_", t.JobState, t.JobState.UNS
 BLOCKED = _EnumMap(jobs_pb2.BlockedReason, "BLOCKED_REASON_", t.BlockedReason, t.BlockedReason.NONE)
 EVENT_KIND = _EnumMap(jobs_pb2.JobEventKind, "JOB_EVENT_KIND_", t.JobEventKind, t.JobEventKind.UNSPECIFIED)
 ADAPTER_FORMAT = _EnumMap(adapters_pb2.AdapterFormat, "ADAPTER_FORMAT_", t.AdapterFormat, t.AdapterFormat.PEFT)
+PROFILE = _EnumMap(device_pb2.DeviceProfile, "DEVICE_PROFILE_", t.DeviceProfile, t.DeviceProfile.UNSPECIFIED)
 FINISH = _EnumMap(inference_pb2.FinishReason, "FINISH_REASON_", t.FinishReason, None)
 
 
@@ -348,4 +349,7 @@ def device_status(m: device_pb2.GetDeviceStatusResponse) -> t.DeviceStatus:
         current_job_state=JOB_STATE.py(m.current_job_state),
         models=tuple(t.ModelInfo(x.name, x.family, x.parameters, x.sha256, x.is_default) for x in m.models),
         version=m.version,
+        profile=PROFILE.py(m.profile),
+        profile_reason=m.profile_reason,
+        unblock_hint=m.unblock_hint,
     )

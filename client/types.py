@@ -67,6 +67,16 @@ class Backend(enum.StrEnum):
     QNN_HTP = "qnn-htp"
 
 
+class DeviceProfile(enum.StrEnum):
+    """Which conditions gate training: phone (charger, battery, temperature), laptop (charger, battery), server
+    (mains power: none)."""
+
+    UNSPECIFIED = "unspecified"
+    PHONE = "phone"
+    LAPTOP = "laptop"
+    SERVER = "server"
+
+
 class Precision(enum.StrEnum):
     """Precision of the frozen matmuls (AUTO lets the planner choose per layer)."""
 
@@ -476,3 +486,6 @@ class DeviceStatus:
     current_job_state: JobState
     models: tuple[ModelInfo, ...]
     version: str
+    profile: DeviceProfile = DeviceProfile.UNSPECIFIED
+    profile_reason: str = ""
+    unblock_hint: str = ""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 PROBES = ("auto", "termux", "sysfs", "file")
+PROFILES = ("auto", "phone", "laptop", "server")
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BACKENDS = ("auto", "torch", "ort-cpu", "qnn-htp")
@@ -96,7 +97,16 @@ class ConditionsSection:
 
 @dataclass(frozen=True)
 class DeviceSection:
-    """Hooks into the device: a wake lock held only while a job trains."""
+    """What kind of device this is, and hooks into it: a wake lock held only while a job trains."""
+
+    profile: str = field(
+        default="auto",
+        metadata=_help(
+            f"One of {PROFILES}: phone gates training on charger, battery and temperature (an unreadable sensor "
+            "means wait); laptop on charger and battery; server (mains power) on none; auto = phone with "
+            "termux-battery-status or a file probe, laptop with a battery in /sys/class/power_supply, else server."
+        ),
+    )
 
     wake_lock_acquire: str = field(
         default="", metadata=_help("Shell command run when a job starts training (e.g. take a wake lock); '' = none.")
@@ -247,6 +257,8 @@ def _validate(cfg: Config) -> list[str]:
     check(c.probe != "file" or bool(c.probe_file), "conditions.probe_file='': required when conditions.probe = 'file'")
     check(c.poll_seconds > 0, f"conditions.poll_seconds={c.poll_seconds}: must be > 0")
     check(c.termux_timeout_seconds > 0, f"conditions.termux_timeout_seconds={c.termux_timeout_seconds}: must be > 0")
+    prof = cfg.device.profile
+    check(prof in PROFILES, f"device.profile={prof!r}: must be one of {', '.join(PROFILES)}")
     wl = cfg.device.wake_lock_timeout_seconds
     check(0 < wl <= 120, f"device.wake_lock_timeout_seconds={wl}: must be > 0 and <= 120")
     bundle = cfg.training.qnn_bundle

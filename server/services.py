@@ -5,16 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from lorad.server.auth import Authenticator, ensure_owner_token
 from lorad.server.config import Config
+from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.monitor import ConditionMonitor
-from lorad.server.device.probes import Probe, make_probe
+from lorad.server.device.probes import Probe, Readings, make_probe
+from lorad.server.device.profile import DeviceProfile, resolve_profile
 from lorad.server.device.wakelock import WakeLockHooks
 from lorad.server.domain import Job, Requirements
 from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
 from lorad.server.modelhost import ModelHost
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
 from lorad.server.store.schedules import ScheduleRepo
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -37,12 +42,17 @@ class Services:
     auth: Authenticator
     owner_token: str
     wake_lock: WakeLockHooks
+    profile: DeviceProfile
 
     @property
     def default_requirements(self) -> Requirements:
         """The configured default device requirements."""
         c = self.cfg.conditions
         return Requirements(c.require_charging, c.min_battery_percent, c.max_temperature_celsius, c.require_idle)
+
+    def judge(self, r: Readings, req: Requirements) -> Verdict:
+        """Whether ``req`` holds for ``r`` on this device's profile."""
+        return evaluate(r, req, self.profile)
 
 
 def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Probe | None = None) -> Services:
@@ -75,15 +85,18 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
 
         factory = engine_factory(models, cache_root, backend, t.torch_threads, loader=loader)
     c = cfg.conditions
+    profile = resolve_profile(cfg.device.profile, c.probe)
+    log.info("device_profile", profile=profile.name, reason=profile.reason)
     monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
     dev = cfg.device
     wake = WakeLockHooks(dev.wake_lock_acquire, dev.wake_lock_release, dev.wake_lock_timeout_seconds)
     runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints,
-                    backend_for=lambda job: job_backend(job, backend), on_running=wake.set_held)  # fmt: skip
+                    backend_for=lambda job: job_backend(job, backend), on_running=wake.set_held,
+                    judge=lambda r, req: evaluate(r, req, profile))  # fmt: skip
     manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout)
     owner = ensure_owner_token(data)
     return Services(cfg, db, apps, samples, jobs, adapters, ScheduleRepo(db), layout, hub, runner, manager, monitor,
-                    models, Authenticator(owner, apps), owner, wake)  # fmt: skip
+                    models, Authenticator(owner, apps), owner, wake, profile)  # fmt: skip
 
 
 def job_backend(job: Job, configured: str) -> tuple[str, str]:

@@ -218,11 +218,15 @@ def print_status(s: DeviceStatus, job: Job | None = None) -> None:
         f"device    battery {batt}, charging {_yes_no(r.charging)}, temperature {temp}, idle {_yes_no(r.idle)} "
         f"(from {r.source or '?'})"
     )
+    if s.profile.value != "unspecified":
+        print(f"profile   {s.profile.value} ({s.profile_reason})")
     if s.can_train:
         print("training  allowed now")
     else:
         reasons = ", ".join(x.value.replace("_", " ") for x in s.blocked_reasons) or "unknown"
         print(f"training  blocked: {reasons}" + (f" ({s.blocked_detail})" if s.blocked_detail else ""))
+        if s.unblock_hint:
+            print(f"          to change it: {s.unblock_hint}")
     if job is not None:
         print(f"job       {job.job_id} {describe_wait(job)}  ({stats_text(job)})")
     elif s.current_job_id:

@@ -111,6 +111,7 @@ helpers() {
 
 # Added by deploy/android/install.sh: hold the Termux wake lock only while a job trains.
 [device]
+profile = "phone"
 wake_lock_acquire = "/opt/lorad/bin/lorad-wakelock acquire"
 wake_lock_release = "/opt/lorad/bin/lorad-wakelock release"
 EOF

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from lorad.server.device.conditions import evaluate
+from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.probes import Readings
-from lorad.server.domain import AdapterRec, Blocked, CheckpointRec, EventKind, Job, JobState, Progress
+from lorad.server.domain import AdapterRec, Blocked, CheckpointRec, EventKind, Job, JobState, Progress, Requirements
 from lorad.server.errors import FailedPrecondition, NotFound
 from lorad.server.jobs.files import Layout, remove_tree, tree_size
 from lorad.server.jobs.hub import EventHub
@@ -37,12 +37,14 @@ class Runner:
     def __init__(self, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, layout: Layout,  # noqa: PLR0917
                  factory: SessionFactory, hub: EventHub, readings: Callable[[], Readings],
                  keep_checkpoints: int = 2, backend_for: Callable[[Job], tuple[str, str]] | None = None,
-                 on_running: Callable[[bool], None] | None = None) -> None:  # fmt: skip
+                 on_running: Callable[[bool], None] | None = None,
+                 judge: Callable[[Readings, Requirements], Verdict] = evaluate) -> None:  # fmt: skip
         """``backend_for(job)`` names the compute backend a job will train on and why (for its start event);
-        ``on_running(True/False)`` is called when a job enters / leaves RUNNING (the wake-lock hooks)."""
+        ``on_running(True/False)`` is called when a job enters / leaves RUNNING (the wake-lock hooks);
+        ``judge`` applies the device profile's policy to the readings."""
         self.jobs, self.samples, self.adapters, self.layout = jobs, samples, adapters, layout
         self.factory, self.hub, self.readings, self.keep = factory, hub, readings, keep_checkpoints
-        self.backend_for, self.on_running = backend_for, on_running
+        self.backend_for, self.on_running, self.judge = backend_for, on_running, judge
         self._lock = threading.RLock()
         self._current: str | None = None
         self._stop = threading.Event()  # the running session's pause flag
@@ -100,16 +102,16 @@ class Runner:
             if cur is not None and self._target is None:
                 job = self._get(cur)
                 if job is not None and job.state is JobState.RUNNING:
-                    v = evaluate(r, job.spec.requirements)
+                    v = self.judge(r, job.spec.requirements)
                     if not v.ok:
-                        self._request_stop(cur, JobState.WAITING, v.first, v.detail)
+                        self._request_stop(cur, JobState.WAITING, v.first, v.explained)
             busy = cur is not None
             for job in self.jobs.in_states(ELIGIBLE):
                 if job.blocked is Blocked.OUTSIDE_WINDOW:
                     continue
-                v = evaluate(r, job.spec.requirements)
+                v = self.judge(r, job.spec.requirements)
                 if not v.ok:
-                    self._move(job.job_id, ELIGIBLE, JobState.WAITING, v.first, v.detail, f"waiting: {v.detail}")
+                    self._move(job.job_id, ELIGIBLE, JobState.WAITING, v.first, v.explained, f"waiting: {v.detail}")
                 elif not busy:
                     if self._move(job.job_id, ELIGIBLE, JobState.RUNNING, Blocked.NONE, "", self._start_message(job)):
                         self._current, self._target, busy = job.job_id, None, True

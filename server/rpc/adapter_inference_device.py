@@ -11,7 +11,6 @@ from typing import Any
 
 from grpc import aio
 from lorad.server import validation as v
-from lorad.server.device.conditions import evaluate
 from lorad.server.domain import JobState, Message
 from lorad.server.downloads import CHUNK, adapter_file
 from lorad.server.errors import InvalidArgument
@@ -154,11 +153,12 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                        for k, st in info.available.items()],
         )  # fmt: skip
         r = self.s.monitor.latest()
-        verdict = evaluate(r, self.s.default_requirements)
+        verdict = self.s.judge(r, self.s.default_requirements)
         out = device_pb2.GetDeviceStatusResponse(
             backend=backend, readings=cv.readings_pb(r), can_train=verdict.ok,
             blocked_reasons=[cv.blocked_pb(b) for b in verdict.reasons], blocked_detail=verdict.detail,
-            version=_version(),
+            version=_version(), profile=cv.PROFILE_ENUMS[self.s.profile.name], profile_reason=self.s.profile.reason,
+            unblock_hint=verdict.hint,
         )  # fmt: skip
         if app_id is not None:
             active = self.s.jobs.list_page(app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED,

@@ -17,6 +17,11 @@ ROLE_NAMES: dict[Any, str] = {
 BACKEND_NAMES: dict[Any, str] = {common_pb2.BACKEND_TORCH: "torch", common_pb2.BACKEND_ORT_CPU: "ort-cpu",
                  common_pb2.BACKEND_QNN_HTP: "qnn-htp"}  # fmt: skip
 BACKEND_ENUMS: dict[str, Any] = {v: k for k, v in BACKEND_NAMES.items()}
+PROFILE_ENUMS: dict[str, Any] = {
+    "phone": device_pb2.DEVICE_PROFILE_PHONE,
+    "laptop": device_pb2.DEVICE_PROFILE_LAPTOP,
+    "server": device_pb2.DEVICE_PROFILE_SERVER,
+}
 PRECISION_NAMES: dict[Any, str] = {common_pb2.PRECISION_FP32: "fp32", common_pb2.PRECISION_FP16: "fp16",
                    common_pb2.PRECISION_W8A16: "w8a16", common_pb2.PRECISION_W8A8: "w8a8"}  # fmt: skip
 PRECISION_ENUMS: dict[str, Any] = {v: k for k, v in PRECISION_NAMES.items()}

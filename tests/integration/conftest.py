@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ class DaemonHandle:
         tcp: bool = False,
         factory: Any = None,
         probe_values: dict[str, Any] | None = None,
+        device: dict[str, Any] | None = None,
         **conditions: Any,
     ) -> None:
         from lorad.server.daemon import Daemon
@@ -52,6 +57,7 @@ class DaemonHandle:
             "conditions": {"probe": "file", "probe_file": str(self.probe_file), "poll_seconds": 0.1, **conditions},
             "training": {"default_model": str(model_dir), "backend": "torch"},
             "logging": {"level": "warning"},
+            "device": device or {},
         }, env={})  # fmt: skip
         self.daemon = Daemon(cfg, factory=factory)
         self.loop = asyncio.new_event_loop()
@@ -106,3 +112,61 @@ def make_daemon(tmp_path: Path, tiny_llama: Path) -> Iterator[Any]:
     for h in started:
         if h.thread.is_alive():
             h.stop()
+
+
+class ServedDaemon:
+    """`lorad serve` in a subprocess with the DEFAULT config (no probe file), plus a way to run CLI commands at it.
+
+    Only the data dir, the model (the tiny Llama) and the backend (torch) are set, through the environment.
+    """
+
+    def __init__(self, root: Path, model_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.root, self.data_dir = root, root / "data"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+        self.env.update(HOME=str(root), LORAD_CLIENT_CONFIG=str(root / "client.toml"),
+                        LORAD_STORAGE_DATA_DIR=str(self.data_dir), LORAD_TRAINING_DEFAULT_MODEL=str(model_dir),
+                        LORAD_TRAINING_BACKEND="torch", LORAD_LOGGING_LEVEL="warning", **(extra_env or {}))  # fmt: skip
+        self.log = (root / "serve.log").open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "lorad.client.cli", "serve"], env=self.env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        sock = self.data_dir / "run" / "lorad.sock"
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"lorad serve did not start: {(root / 'serve.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def cli(self, *argv: str, stdin: str | None = None, cwd: Path | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """Runs `lorad ARGV...` against this daemon."""
+        return subprocess.run([sys.executable, "-m", "lorad.client.cli", *argv], check=False, input=stdin,
+                              capture_output=True, text=True, env=self.env, cwd=cwd, timeout=timeout)  # fmt: skip
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 60 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def lorad_serve(tmp_path: Path, tiny_llama: Path) -> Iterator[Any]:
+    """Factory: ``lorad_serve(**extra_env)`` → a started ServedDaemon (stopped after the test)."""
+    started: list[ServedDaemon] = []
+
+    def make(**extra_env: str) -> ServedDaemon:
+        root = tmp_path / f"served{len(started)}"
+        root.mkdir()
+        d = ServedDaemon(root, tiny_llama, extra_env)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.stop()
