@@ -393,3 +393,87 @@ class DeleteAdapterResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteAdapterResponse: _TypeAlias = DeleteAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ImportAdapterHeader(_message.Message):
+    """First message of an import."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_SHA256_FIELD_NUMBER: _builtins.int
+    TOTAL_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    base_model: _builtins.str
+    """Base model name as listed by DeviceService.GetDeviceStatus; empty means the default model."""
+    base_model_sha256: _builtins.str
+    """SHA-256 of the base model's weights (hex) the adapter was made for; must match the daemon's model."""
+    total_size_bytes: _builtins.int
+    """Size of the whole PEFT tar, bytes; 1 to 268,435,456 (256 MiB)."""
+    sha256: _builtins.str
+    """SHA-256 of the whole tar, lowercase hex; checked after the last chunk."""
+    def __init__(
+        self,
+        *,
+        base_model: _builtins.str = ...,
+        base_model_sha256: _builtins.str = ...,
+        total_size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "base_model_sha256", b"base_model_sha256", "sha256", b"sha256", "total_size_bytes", b"total_size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportAdapterHeader: _TypeAlias = ImportAdapterHeader  # noqa: Y015
+
+@_typing.final
+class ImportAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    """The next bytes of the tar, at most 1 MiB."""
+    @_builtins.property
+    def header(self) -> Global___ImportAdapterHeader:
+        """Base model, size and digest of the tar."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___ImportAdapterHeader | None = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___ImportAdapterRequest: _TypeAlias = ImportAdapterRequest  # noqa: Y015
+
+@_typing.final
+class ImportAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___Adapter:
+        """The stored adapter (job_id is empty for an imported adapter)."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___Adapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportAdapterResponse: _TypeAlias = ImportAdapterResponse  # noqa: Y015

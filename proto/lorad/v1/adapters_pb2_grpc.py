@@ -55,6 +55,11 @@ class AdapterServiceStub:
                 request_serializer=lorad_dot_v1_dot_adapters__pb2.DeleteAdapterRequest.SerializeToString,
                 response_deserializer=lorad_dot_v1_dot_adapters__pb2.DeleteAdapterResponse.FromString,
                 _registered_method=True)
+        self.ImportAdapter = channel.stream_unary(
+                '/lorad.v1.AdapterService/ImportAdapter',
+                request_serializer=lorad_dot_v1_dot_adapters__pb2.ImportAdapterRequest.SerializeToString,
+                response_deserializer=lorad_dot_v1_dot_adapters__pb2.ImportAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterServiceServicer:
@@ -90,6 +95,16 @@ class AdapterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportAdapter(self, request_iterator, context):
+        """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
+        start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
+        PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
+        the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_AdapterServiceServicer_to_server(servicer, server):
                     servicer.DeleteAdapter,
                     request_deserializer=lorad_dot_v1_dot_adapters__pb2.DeleteAdapterRequest.FromString,
                     response_serializer=lorad_dot_v1_dot_adapters__pb2.DeleteAdapterResponse.SerializeToString,
+            ),
+            'ImportAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportAdapter,
+                    request_deserializer=lorad_dot_v1_dot_adapters__pb2.ImportAdapterRequest.FromString,
+                    response_serializer=lorad_dot_v1_dot_adapters__pb2.ImportAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +243,33 @@ class AdapterService:
             '/lorad.v1.AdapterService/DeleteAdapter',
             lorad_dot_v1_dot_adapters__pb2.DeleteAdapterRequest.SerializeToString,
             lorad_dot_v1_dot_adapters__pb2.DeleteAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lorad.v1.AdapterService/ImportAdapter',
+            lorad_dot_v1_dot_adapters__pb2.ImportAdapterRequest.SerializeToString,
+            lorad_dot_v1_dot_adapters__pb2.ImportAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

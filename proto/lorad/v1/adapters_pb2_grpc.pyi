@@ -43,6 +43,12 @@ class AdapterServiceStub:
     """
     DeleteAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]
     """Deletes an adapter and its exported files."""
+    ImportAdapter: _grpc.StreamUnaryMultiCallable[_adapters_pb2.ImportAdapterRequest, _adapters_pb2.ImportAdapterResponse]
+    """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
+    start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
+    PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
+    the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+    """
 
 @_typing.type_check_only
 class AdapterServiceAsyncStub(AdapterServiceStub):
@@ -59,6 +65,12 @@ class AdapterServiceAsyncStub(AdapterServiceStub):
     """
     DeleteAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]  # type: ignore[assignment]
     """Deletes an adapter and its exported files."""
+    ImportAdapter: _aio.StreamUnaryMultiCallable[_adapters_pb2.ImportAdapterRequest, _adapters_pb2.ImportAdapterResponse]  # type: ignore[assignment]
+    """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
+    start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
+    PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
+    the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+    """
 
 class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
     """Lists, describes, downloads and deletes the calling app's adapters."""
@@ -96,5 +108,17 @@ class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_adapters_pb2.DeleteAdapterResponse, _abc.Awaitable[_adapters_pb2.DeleteAdapterResponse]]:
         """Deletes an adapter and its exported files."""
+
+    @_abc_1.abstractmethod
+    def ImportAdapter(
+        self,
+        request_iterator: _MaybeAsyncIterator[_adapters_pb2.ImportAdapterRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_adapters_pb2.ImportAdapterResponse, _abc.Awaitable[_adapters_pb2.ImportAdapterResponse]]:
+        """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
+        start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
+        PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
+        the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+        """
 
 def add_AdapterServiceServicer_to_server(servicer: AdapterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lorad/v1/common.proto\x12\x08lorad.v1\"<\n\x0b\x43hatMessage\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.lorad.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.lorad.v1.ChatMessage\"C\n\x06Sample\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0e.lorad.v1.ChatH\x00\x42\t\n\x07\x63ontent\"n\n\x0cStoredSample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x02 \x01(\x03\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12 \n\x06sample\x18\x04 \x01(\x0b\x32\x10.lorad.v1.Sample\"R\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\xca\x03\n\x0eTrainingConfig\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\"\n\x04lora\x18\x02 \x01(\x0b\x32\x14.lorad.v1.LoraConfig\x12\x11\n\tmax_steps\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x02\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x0f\n\x07seq_len\x18\x06 \x01(\r\x12\x18\n\x10grad_accum_steps\x18\x07 \x01(\r\x12\x14\n\x0cwarmup_steps\x18\x08 \x01(\r\x12)\n\x0blr_schedule\x18\t \x01(\x0e\x32\x14.lorad.v1.LrSchedule\x12\x14\n\x0cweight_decay\x18\n \x01(\x02\x12\x15\n\rmax_grad_norm\x18\x0b \x01(\x02\x12\x18\n\x10\x65val_every_steps\x18\x0c \x01(\r\x12\x1e\n\x16\x63heckpoint_every_steps\x18\r \x01(\r\x12\x0c\n\x04seed\x18\x0e \x01(\x04\x12\"\n\x07\x62\x61\x63kend\x18\x0f \x01(\x0e\x32\x11.lorad.v1.Backend\x12&\n\tprecision\x18\x10 \x01(\x0e\x32\x13.lorad.v1.Precision\x12\x15\n\reval_fraction\x18\x11 \x01(\x02\"\xf0\x01\n\x12\x44\x65viceRequirements\x12\x1d\n\x10require_charging\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12 \n\x13min_battery_percent\x18\x02 \x01(\rH\x01\x88\x01\x01\x12$\n\x17max_temperature_celsius\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x0crequire_idle\x18\x04 \x01(\x08H\x03\x88\x01\x01\x42\x13\n\x11_require_chargingB\x16\n\x14_min_battery_percentB\x1a\n\x18_max_temperature_celsiusB\x0f\n\r_require_idle\"H\n\x0eTrainingWindow\x12\x0c\n\x04\x63ron\x18\x01 \x01(\t\x12\x16\n\x0ejitter_seconds\x18\x02 \x01(\r\x12\x10\n\x08timezone\x18\x03 \x01(\t*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03*s\n\nLrSchedule\x12\x1b\n\x17LR_SCHEDULE_UNSPECIFIED\x10\x00\x12\x16\n\x12LR_SCHEDULE_COSINE\x10\x01\x12\x16\n\x12LR_SCHEDULE_LINEAR\x10\x02\x12\x18\n\x14LR_SCHEDULE_CONSTANT\x10\x03*_\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x11\n\rBACKEND_TORCH\x10\x01\x12\x13\n\x0f\x42\x41\x43KEND_ORT_CPU\x10\x02\x12\x13\n\x0f\x42\x41\x43KEND_QNN_HTP\x10\x03*w\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x12\n\x0ePRECISION_FP16\x10\x02\x12\x13\n\x0fPRECISION_W8A16\x10\x03\x12\x12\n\x0ePRECISION_W8A8\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lorad/v1/common.proto\x12\x08lorad.v1\"<\n\x0b\x43hatMessage\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.lorad.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.lorad.v1.ChatMessage\"C\n\x06Sample\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0e.lorad.v1.ChatH\x00\x42\t\n\x07\x63ontent\"n\n\x0cStoredSample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x02 \x01(\x03\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12 \n\x06sample\x18\x04 \x01(\x0b\x32\x10.lorad.v1.Sample\"R\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\xfa\x03\n\x0eTrainingConfig\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\"\n\x04lora\x18\x02 \x01(\x0b\x32\x14.lorad.v1.LoraConfig\x12\x11\n\tmax_steps\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x02\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x0f\n\x07seq_len\x18\x06 \x01(\r\x12\x18\n\x10grad_accum_steps\x18\x07 \x01(\r\x12\x14\n\x0cwarmup_steps\x18\x08 \x01(\r\x12)\n\x0blr_schedule\x18\t \x01(\x0e\x32\x14.lorad.v1.LrSchedule\x12\x14\n\x0cweight_decay\x18\n \x01(\x02\x12\x15\n\rmax_grad_norm\x18\x0b \x01(\x02\x12\x18\n\x10\x65val_every_steps\x18\x0c \x01(\r\x12\x1e\n\x16\x63heckpoint_every_steps\x18\r \x01(\r\x12\x0c\n\x04seed\x18\x0e \x01(\x04\x12\"\n\x07\x62\x61\x63kend\x18\x0f \x01(\x0e\x32\x11.lorad.v1.Backend\x12&\n\tprecision\x18\x10 \x01(\x0e\x32\x13.lorad.v1.Precision\x12\x15\n\reval_fraction\x18\x11 \x01(\x02\x12\x17\n\x0finit_adapter_id\x18\x12 \x01(\t\x12\x15\n\rfreeze_lora_a\x18\x13 \x01(\x08\"\xf0\x01\n\x12\x44\x65viceRequirements\x12\x1d\n\x10require_charging\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12 \n\x13min_battery_percent\x18\x02 \x01(\rH\x01\x88\x01\x01\x12$\n\x17max_temperature_celsius\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x0crequire_idle\x18\x04 \x01(\x08H\x03\x88\x01\x01\x42\x13\n\x11_require_chargingB\x16\n\x14_min_battery_percentB\x1a\n\x18_max_temperature_celsiusB\x0f\n\r_require_idle\"H\n\x0eTrainingWindow\x12\x0c\n\x04\x63ron\x18\x01 \x01(\t\x12\x16\n\x0ejitter_seconds\x18\x02 \x01(\r\x12\x10\n\x08timezone\x18\x03 \x01(\t*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03*s\n\nLrSchedule\x12\x1b\n\x17LR_SCHEDULE_UNSPECIFIED\x10\x00\x12\x16\n\x12LR_SCHEDULE_COSINE\x10\x01\x12\x16\n\x12LR_SCHEDULE_LINEAR\x10\x02\x12\x18\n\x14LR_SCHEDULE_CONSTANT\x10\x03*_\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x11\n\rBACKEND_TORCH\x10\x01\x12\x13\n\x0f\x42\x41\x43KEND_ORT_CPU\x10\x02\x12\x13\n\x0f\x42\x41\x43KEND_QNN_HTP\x10\x03*w\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x12\n\x0ePRECISION_FP16\x10\x02\x12\x13\n\x0fPRECISION_W8A16\x10\x03\x12\x12\n\x0ePRECISION_W8A8\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorad.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1189
-  _globals['_ROLE']._serialized_end=1269
-  _globals['_LRSCHEDULE']._serialized_start=1271
-  _globals['_LRSCHEDULE']._serialized_end=1386
-  _globals['_BACKEND']._serialized_start=1388
-  _globals['_BACKEND']._serialized_end=1483
-  _globals['_PRECISION']._serialized_start=1485
-  _globals['_PRECISION']._serialized_end=1604
+  _globals['_ROLE']._serialized_start=1237
+  _globals['_ROLE']._serialized_end=1317
+  _globals['_LRSCHEDULE']._serialized_start=1319
+  _globals['_LRSCHEDULE']._serialized_end=1434
+  _globals['_BACKEND']._serialized_start=1436
+  _globals['_BACKEND']._serialized_end=1531
+  _globals['_PRECISION']._serialized_start=1533
+  _globals['_PRECISION']._serialized_end=1652
   _globals['_CHATMESSAGE']._serialized_start=35
   _globals['_CHATMESSAGE']._serialized_end=95
   _globals['_CHAT']._serialized_start=97
@@ -50,9 +50,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LORACONFIG']._serialized_start=327
   _globals['_LORACONFIG']._serialized_end=409
   _globals['_TRAININGCONFIG']._serialized_start=412
-  _globals['_TRAININGCONFIG']._serialized_end=870
-  _globals['_DEVICEREQUIREMENTS']._serialized_start=873
-  _globals['_DEVICEREQUIREMENTS']._serialized_end=1113
-  _globals['_TRAININGWINDOW']._serialized_start=1115
-  _globals['_TRAININGWINDOW']._serialized_end=1187
+  _globals['_TRAININGCONFIG']._serialized_end=918
+  _globals['_DEVICEREQUIREMENTS']._serialized_start=921
+  _globals['_DEVICEREQUIREMENTS']._serialized_end=1161
+  _globals['_TRAININGWINDOW']._serialized_start=1163
+  _globals['_TRAININGWINDOW']._serialized_end=1235
 # @@protoc_insertion_point(module_scope)

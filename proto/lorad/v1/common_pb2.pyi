@@ -322,6 +322,8 @@ class TrainingConfig(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
     EVAL_FRACTION_FIELD_NUMBER: _builtins.int
+    INIT_ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    FREEZE_LORA_A_FIELD_NUMBER: _builtins.int
     base_model: _builtins.str
     """Base model name as listed by DeviceService.GetDeviceStatus; empty means the daemon's default model."""
     max_steps: _builtins.int
@@ -354,6 +356,12 @@ class TrainingConfig(_message.Message):
     """Precision of the frozen matmuls; unspecified lets the planner choose per layer."""
     eval_fraction: _builtins.float
     """Fraction of samples held out for eval loss, 0 to 0.5; 0 means 0.1."""
+    init_adapter_id: _builtins.str
+    """Start from this stored adapter of the calling app instead of a fresh one (its rank, alpha and targets are
+    used; `lora` must then be unset or equal). Empty means a fresh adapter.
+    """
+    freeze_lora_a: _builtins.bool
+    """Keep LoRA factor A fixed and train only B (FFA-LoRA: with a shared A, averaging B across devices is exact)."""
     @_builtins.property
     def lora(self) -> Global___LoraConfig:
         """LoRA hyperparameters."""
@@ -378,10 +386,12 @@ class TrainingConfig(_message.Message):
         backend: Global___Backend.ValueType = ...,
         precision: Global___Precision.ValueType = ...,
         eval_fraction: _builtins.float = ...,
+        init_adapter_id: _builtins.str = ...,
+        freeze_lora_a: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "batch_size", b"batch_size", "checkpoint_every_steps", b"checkpoint_every_steps", "eval_every_steps", b"eval_every_steps", "eval_fraction", b"eval_fraction", "grad_accum_steps", b"grad_accum_steps", "learning_rate", b"learning_rate", "lora", b"lora", "lr_schedule", b"lr_schedule", "max_grad_norm", b"max_grad_norm", "max_steps", b"max_steps", "precision", b"precision", "seed", b"seed", "seq_len", b"seq_len", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "batch_size", b"batch_size", "checkpoint_every_steps", b"checkpoint_every_steps", "eval_every_steps", b"eval_every_steps", "eval_fraction", b"eval_fraction", "freeze_lora_a", b"freeze_lora_a", "grad_accum_steps", b"grad_accum_steps", "init_adapter_id", b"init_adapter_id", "learning_rate", b"learning_rate", "lora", b"lora", "lr_schedule", b"lr_schedule", "max_grad_norm", b"max_grad_norm", "max_steps", b"max_steps", "precision", b"precision", "seed", b"seed", "seq_len", b"seq_len", "warmup_steps", b"warmup_steps", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,6 +59,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     BASE_MODEL_FIELD_NUMBER: _builtins.int
+    EXTRA_ADAPTER_IDS_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """An adapter of the calling app; empty means the base model alone."""
     text: _builtins.str
@@ -81,6 +82,12 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Up to 8 stop strings of at most 64 bytes; generation ends before the first match."""
 
+    @_builtins.property
+    def extra_adapter_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """More adapters of the calling app applied together with `adapter_id` (e.g. a federated global adapter and a
+        personal one): their updates add, W + Σ (alpha_i / r_i)·B_i·A_i. All must share one base model; at most 8.
+        """
+
     def __init__(
         self,
         *,
@@ -93,10 +100,11 @@ class GenerateRequest(_message.Message):
         seed: _builtins.int = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         base_model: _builtins.str = ...,
+        extra_adapter_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "base_model", b"base_model", "chat", b"chat", "max_tokens", b"max_tokens", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "text", b"text", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "base_model", b"base_model", "chat", b"chat", "extra_adapter_ids", b"extra_adapter_ids", "max_tokens", b"max_tokens", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "text", b"text", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
