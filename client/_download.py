@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import os
@@ -20,6 +21,48 @@ log = logging.getLogger(__name__)
 ProgressCallback = Callable[[int, int], None]
 
 _HASH_BLOCK = 1 << 20  # bytes read at a time when re-hashing an existing .part file
+
+
+class DownloadLock:
+    """An exclusive lock on `<final>.lock` (flock: works across threads and processes) held for one download.
+
+    Two pulls to the same path would otherwise append to the same `.part` file. The lock file is removed on
+    release; a waiter that then holds a lock on the removed file notices (different inode) and locks again.
+    """
+
+    POLL_S = 0.05  # polled, not blocking in a thread, so a cancelled download stops waiting at once
+
+    def __init__(self, final: Path) -> None:
+        self.path = final.with_name(final.name + ".lock")
+        self._fd = -1
+
+    async def __aenter__(self) -> DownloadLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        await asyncio.sleep(self.POLL_S)
+                try:
+                    current = self.path.stat().st_ino
+                except FileNotFoundError:
+                    current = -1
+            except BaseException:
+                os.close(fd)
+                raise
+            if current == os.fstat(fd).st_ino:
+                self._fd = fd
+                return self
+            os.close(fd)  # the holder before us removed this file: lock the new one
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # closing the last descriptor releases the flock
+        self._fd = -1
 
 
 class IncompleteDownloadError(IntegrityError):

@@ -16,7 +16,7 @@ from lorad.client import _convert as conv
 from lorad.client import _requests as rq
 from lorad.client import config as cfg
 from lorad.client import types as t
-from lorad.client._download import PartFile, ProgressCallback, resumable_download, safe_filename
+from lorad.client._download import DownloadLock, PartFile, ProgressCallback, resumable_download, safe_filename
 from lorad.client.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -386,9 +386,9 @@ class AsyncClient:
         )
         return [conv.adapter(a) for a in pb]
 
-    async def get_adapter(self, adapter_id: str) -> t.Adapter:
-        """Gets one adapter."""
-        req = adapters_pb2.GetAdapterRequest(adapter_id=adapter_id)
+    async def get_adapter(self, adapter: AdapterRef) -> t.Adapter:
+        """Gets one adapter: by Adapter, adapter id, Job or job id (as download_adapter and delete_adapter)."""
+        req = adapters_pb2.GetAdapterRequest(adapter_id=await self.adapter_id_of(adapter))
         return conv.adapter((await self._unary("GetAdapter", self._adapters.GetAdapter, req)).adapter)
 
     async def delete_adapter(self, adapter: AdapterRef) -> int:
@@ -399,6 +399,9 @@ class AsyncClient:
     async def adapter_id_of(self, ref: AdapterRef) -> str:
         """The adapter id of an Adapter, a (succeeded) Job, a job id ("job_...") or an adapter id.
 
+        A Job object without an adapter is fetched again: it may be a snapshot taken before the job succeeded
+        (e.g. the one `create_job` returned, after `watch` ended).
+
         Raises:
             FailedPrecondition: The job has produced no adapter (yet); the message names its state.
         """
@@ -406,7 +409,7 @@ class AsyncClient:
             return ref.adapter_id
         if isinstance(ref, str) and not ref.startswith("job_"):
             return ref
-        job = ref if isinstance(ref, t.Job) else await self.get_job(ref)
+        job = ref if isinstance(ref, t.Job) and ref.adapter_id else await self.get_job(_job_id(ref))
         if not job.adapter_id:
             raise FailedPrecondition(
                 f"job {job.job_id} has no adapter: it is {job.state.value}; wait until it succeeds"
@@ -429,7 +432,8 @@ class AsyncClient:
 
         Args:
             adapter: Adapter, Job, job id or adapter id.
-            path: Destination file, or an existing directory (the daemon's suggested file name is used).
+            path: Destination file, or a directory (an existing one, or a path ending in "/", created if needed)
+                where the daemon's suggested file name is used.
             format: "peft" (tar of the PEFT folder), "gguf" (llama.cpp LoRA) or "merged" (tar of a full model).
             overwrite: Replace an existing destination file.
             on_progress: Called with (bytes received, total bytes) after each chunk.
@@ -440,20 +444,28 @@ class AsyncClient:
         """
         adapter_id = await self.adapter_id_of(adapter)
         fmt = t.AdapterFormat(format)
+        as_dir = str(path).endswith(("/", os.sep))
         dest = Path(path).expanduser()
+        if as_dir:
+            dest.mkdir(parents=True, exist_ok=True)
         if dest.is_dir():
             header = await self._download_header(adapter_id, fmt)
             dest = dest / safe_filename(header.filename, f"{adapter_id}.{fmt.value}")
+        exists = f"{dest} already exists; choose another path or pass overwrite=True (CLI: --force)"
         if dest.exists() and not overwrite:
-            raise AlreadyExists(f"{dest} already exists; choose another path or pass overwrite=True (CLI: --force)")
+            raise AlreadyExists(exists)
         req = adapters_pb2.DownloadAdapterRequest(adapter_id=adapter_id, format=conv.ADAPTER_FORMAT.pb(fmt))
 
         def open_stream(offset: int) -> AsyncIterator[Any]:
             req.read_offset = offset
             return self._adapters.DownloadAdapter(req, metadata=self._metadata)
 
-        part = PartFile(dest)
-        return await resumable_download(open_stream, part, fmt, self.retry, self._error, on_progress=on_progress)
+        # One writer per destination (threads and processes alike): a second pull waits, then finds the file.
+        async with DownloadLock(dest):
+            if dest.exists() and not overwrite:
+                raise AlreadyExists(exists)
+            part = PartFile(dest)
+            return await resumable_download(open_stream, part, fmt, self.retry, self._error, on_progress=on_progress)
 
     async def _download_header(self, adapter_id: str, fmt: t.AdapterFormat) -> adapters_pb2.DownloadHeader:
         req = adapters_pb2.DownloadAdapterRequest(adapter_id=adapter_id, format=conv.ADAPTER_FORMAT.pb(fmt))

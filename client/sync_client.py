@@ -224,9 +224,9 @@ class Client:
         """Lists the app's adapters, newest first."""
         return self._loop.run(self._aio.list_adapters())
 
-    def get_adapter(self, adapter_id: str) -> t.Adapter:
-        """Gets one adapter."""
-        return self._loop.run(self._aio.get_adapter(adapter_id))
+    def get_adapter(self, adapter: AdapterRef) -> t.Adapter:
+        """Gets one adapter by Adapter, adapter id, Job or job id."""
+        return self._loop.run(self._aio.get_adapter(adapter))
 
     def delete_adapter(self, adapter: AdapterRef) -> int:
         """Deletes an adapter; returns the bytes freed."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from lorad.client.cli._context import make_client, opt
@@ -29,7 +28,9 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
         description="Bytes go to <path>.part; an interrupted pull resumes from it when run again.",
     )
     pull.add_argument("adapter", help="adapter id, or a job id (job_...) whose adapter to pull")
-    pull.add_argument("-o", "--output", type=Path, default=Path(), help="file or directory (default: .)")
+    pull.add_argument(
+        "-o", "--output", default=".", help="file, or directory (created when the path ends in /; default: .)"
+    )
     pull.add_argument(
         "--format",
         choices=[f.value for f in AdapterFormat],

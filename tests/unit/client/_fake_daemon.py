@@ -56,6 +56,7 @@ class State:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     download_offsets: list[int] = field(default_factory=list)
     download_cut_after_chunks: list[int] = field(default_factory=list)  # per call, popped; abort after n chunks
+    download_chunk_delay_s: float = 0.0  # sleep before each chunk, so concurrent downloads overlap
     watch_cut_after_events: list[int] = field(default_factory=list)
     watch_after_ids: list[int] = field(default_factory=list)
     create_job_payloads: list[str] = field(default_factory=list)
@@ -312,6 +313,8 @@ class Adapters(adapters_pb2_grpc.AdapterServiceServicer):
         for n, off in enumerate(range(req.read_offset, len(blob), CHUNK)):
             if n == cut:
                 await ctx.abort(grpc.StatusCode.UNAVAILABLE, "injected stream break")
+            if self.st.download_chunk_delay_s:
+                await asyncio.sleep(self.st.download_chunk_delay_s)
             yield adapters_pb2.DownloadAdapterResponse(chunk=blob[off : off + CHUNK], offset=off)
 
 

@@ -93,3 +93,55 @@ def test_unknown_adapter_is_not_found(fake: FakeDaemon, tmp_path: Path) -> None:
     with client(fake) as c, pytest.raises(lc.NotFound):
         c.download_adapter("zz", tmp_path / "x")
     assert not (tmp_path / "x.part").exists() or (tmp_path / "x.part").stat().st_size == 0
+
+
+def test_stale_job_object_is_refreshed_after_it_succeeded(fake: FakeDaemon, tmp_path: Path) -> None:
+    # The README's flow: create_job's snapshot says "queued"; after watch ended the job has succeeded.
+    from lorad.v1 import jobs_pb2
+
+    with client(fake) as c:
+        job = c.create_job(["d"])
+        fake.call(fake.jobs.add_event, job.job_id, jobs_pb2.JOB_STATE_SUCCEEDED, 1, 1, 0.1)
+        assert job.adapter_id == ""  # still the old snapshot
+        r = c.download_adapter(job, tmp_path / "adapter.tar")
+    assert Path(r.path).read_bytes() == fake.state.adapter_blob
+
+
+def test_concurrent_pulls_to_one_path_leave_one_verified_file(fake: FakeDaemon, tmp_path: Path) -> None:
+    import threading
+
+    fake.state.download_chunk_delay_s = 0.01  # ~0.1 s per download: the two overlap
+    dest = tmp_path / "a.tar"
+    start = threading.Barrier(2)
+    outcomes: list[object] = []
+
+    def pull(overwrite: bool) -> None:
+        with client(fake) as c:
+            start.wait()
+            try:
+                outcomes.append(c.download_adapter("ad_1", dest, overwrite=overwrite))
+            except lc.LoradError as exc:
+                outcomes.append(exc)
+
+    for overwrite in (False, True):
+        outcomes.clear()
+        dest.unlink(missing_ok=True)
+        threads = [threading.Thread(target=pull, args=(overwrite,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        results = [o for o in outcomes if isinstance(o, lc.DownloadResult)]
+        errors = [o for o in outcomes if not isinstance(o, lc.DownloadResult)]
+        # Without overwrite the second pull finds the first one's file; with it, both succeed one after the other.
+        assert len(results) == (2 if overwrite else 1), outcomes
+        assert all(isinstance(e, lc.AlreadyExists) for e in errors)
+        assert dest.read_bytes() == fake.state.adapter_blob
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar"]  # no .part or .lock left behind
+
+
+def test_path_ending_in_a_slash_is_a_directory_created_on_demand(fake: FakeDaemon, tmp_path: Path) -> None:
+    with client(fake) as c:
+        r = c.download_adapter("ad_3", f"{tmp_path}/new/dir/")
+    assert Path(r.path) == tmp_path / "new" / "dir" / "ad_3.peft.tar"
+    assert Path(r.path).read_bytes() == fake.state.adapter_blob
