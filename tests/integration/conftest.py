@@ -1,4 +1,4 @@
-"""Fixtures: a tiny random Llama HF folder and a real lorad daemon running in-process (own thread and event loop)."""
+"""Fixtures: a real lorad daemon running in-process (own thread and event loop) on the shared tiny Llama."""
 
 from __future__ import annotations
 
@@ -16,21 +16,12 @@ from typing import Any
 
 import grpc
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
-
-from helpers import GOOD, Stubs
 from lorad.server.config import build_config
 from lorad.v1 import (
     apps_pb2,
 )
-from tiny_models import save_tiny_hf
 
-
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama (vocab 320, hidden 64) with a BPE tokenizer and a ChatML template."""
-    return save_tiny_hf(tmp_path_factory.mktemp("models"), "llama")
+from tests.integration.helpers import GOOD, Stubs
 
 
 class DaemonHandle:

@@ -1,6 +1,6 @@
 """The `lorad` CLI as a user runs it: subprocesses against a gRPC server on a temp socket; --json and exit codes.
 
-The server here is the SDK's daemon test double (tests/unit/client/_fake_daemon.py), a real grpc.aio server with
+The server here is the SDK's daemon test double (tests/fixtures/fake_daemon.py), a real grpc.aio server with
 in-memory state; tests/integration/test_cli_daemon.py runs the CLI against the real daemon.
 """
 
@@ -16,11 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "client"))
-
-from _fake_daemon import OWNER_TOKEN, FakeDaemon
 from lorad.v1 import jobs_pb2
+
+from tests.fixtures.fake_daemon import OWNER_TOKEN, FakeDaemon
 
 pytestmark = pytest.mark.integration
 

@@ -6,8 +6,9 @@ import time
 from datetime import UTC
 
 import pytest
-from helpers import FINAL, GOOD_PROBE, append, create_job, get_job, wait_for, wait_state
 from lorad.v1 import common_pb2, jobs_pb2
+
+from tests.integration.helpers import FINAL, GOOD_PROBE, append, create_job, get_job, tiny_config, wait_for, wait_state
 
 pytestmark = pytest.mark.integration
 S = jobs_pb2
@@ -97,7 +98,7 @@ def test_windows_only_queue_work(make_daemon) -> None:
     append(app)
     win = common_pb2.TrainingWindow(cron="30 2 * * *", jitter_seconds=60, timezone="Europe/Berlin")
     job = app.jobs.CreateJob(S.CreateJobRequest(request_id="w", dataset_ids=["notes"], window=win,
-                                                config=__import__("helpers").tiny_config(steps=2)),
+                                                config=tiny_config(steps=2)),
                              metadata=app.md).job  # fmt: skip
     assert job.state == S.JOB_STATE_QUEUED and job.blocked_reason == S.BLOCKED_REASON_OUTSIDE_WINDOW
     assert job.window.cron == "30 2 * * *"
@@ -115,7 +116,7 @@ def test_windows_only_queue_work(make_daemon) -> None:
     assert sched.aps.get_job(f"window:{job.job_id}") is None  # one-shot
 
     sch = app.jobs.CreateSchedule(S.CreateScheduleRequest(dataset_ids=["notes"], window=win,
-                                                          config=__import__("helpers").tiny_config(steps=2)),
+                                                          config=tiny_config(steps=2)),
                                   metadata=app.md).schedule  # fmt: skip
     assert sch.next_run_at_ms > time.time() * 1000
     listed = app.jobs.ListSchedules(S.ListSchedulesRequest(), metadata=app.md).schedules

@@ -8,16 +8,13 @@ The counts are also written to ``.cache/reliability/tally.json`` for CI to archi
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import REPO, tiny_model
+from tests.reliability.harness import REPO, tiny_model
 
 
 class Tally:

@@ -40,8 +40,7 @@ DB_FILES = ("lorad.sqlite", "lorad.sqlite-wal", "lorad.sqlite-shm")
 
 def tiny_model(root: Path) -> Path:
     """A 2-layer random Llama HF folder (vocab 320, hidden 64) with a BPE tokenizer, as the unit tests use."""
-    sys.path.insert(0, str(REPO / "tests" / "unit" / "models"))
-    from tiny_models import save_tiny_hf
+    from tests.fixtures.tiny_hf import save_tiny_hf
 
     return save_tiny_hf(root, "llama")
 

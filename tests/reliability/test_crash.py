@@ -10,7 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from harness import (
+from lorad.v1 import adapters_pb2, jobs_pb2
+
+from tests.reliability.harness import (
     FINAL,
     SubprocessDaemon,
     adapter_tensors,
@@ -24,7 +26,6 @@ from harness import (
     get_job,
     wait_state,
 )
-from lorad.v1 import adapters_pb2, jobs_pb2
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 

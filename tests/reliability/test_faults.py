@@ -11,7 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import (
+from lorad.v1 import adapters_pb2, common_pb2, device_pb2, inference_pb2, jobs_pb2
+
+from tests.reliability.harness import (
     FINAL,
     InProcDaemon,
     SubprocessDaemon,
@@ -25,7 +27,6 @@ from harness import (
     get_job,
     wait_state,
 )
-from lorad.v1 import adapters_pb2, common_pb2, device_pb2, inference_pb2, jobs_pb2
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
 CLEAR_CODES = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import (
+from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
+
+from tests.reliability.harness import (
     FINAL,
     SubprocessDaemon,
     append,
@@ -23,8 +25,7 @@ from harness import (
     tiny_config,
     wait_state,
 )
-from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
-from rpcs import all_rpcs, call_raw
+from tests.reliability.rpcs import all_rpcs, call_raw
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from adapter_fixtures import Trained, make_trained
+
+from tests.fixtures.tiny_adapter import Trained, make_trained
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])

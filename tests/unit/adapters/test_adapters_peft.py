@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_fixtures import Trained, make_trained
 from lorad.server.engine.adapters import (
     AdapterBaseMismatchError,
     AdapterMetadata,
@@ -16,6 +15,8 @@ from lorad.server.engine.adapters import (
     save_adapter,
 )
 from lorad.server.engine.models import LoraConfig, load_model
+
+from tests.fixtures.tiny_adapter import Trained, make_trained
 
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(9))
 ATOL = 1e-4  # fp32 on both sides; observed max |diff| ~1e-6

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from _fake_daemon import FakeDaemon
+from tests.fixtures.fake_daemon import FakeDaemon
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import lorad.client as lc
 import pytest
-from _fake_daemon import FAST_RETRY, OWNER_TOKEN, FakeDaemon
 from lorad.v1 import jobs_pb2
+
+from tests.fixtures.fake_daemon import FAST_RETRY, OWNER_TOKEN, FakeDaemon
 
 
 def test_async_end_to_end(fake: FakeDaemon, tmp_path: Path) -> None:

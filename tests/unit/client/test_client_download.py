@@ -7,7 +7,8 @@ from pathlib import Path
 
 import lorad.client as lc
 import pytest
-from _fake_daemon import CHUNK, FAST_RETRY, FakeDaemon
+
+from tests.fixtures.fake_daemon import CHUNK, FAST_RETRY, FakeDaemon
 
 
 def client(fake: FakeDaemon, retry: lc.RetryPolicy = FAST_RETRY) -> lc.Client:

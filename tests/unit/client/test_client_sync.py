@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import lorad.client as lc
 import pytest
-from _fake_daemon import FAST_RETRY, OWNER_TOKEN, FakeDaemon
 from lorad.v1 import jobs_pb2
+
+from tests.fixtures.fake_daemon import FAST_RETRY, OWNER_TOKEN, FakeDaemon
 
 
 def app_client(fake: FakeDaemon, app: str = "notes") -> lc.Client:

@@ -16,7 +16,7 @@ from lorad.server.engine.prepare import (
 )
 from lorad.server.engine.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
 
-from ._tiny import write_tiny_qwen2
+from tests.fixtures.tiny_hf import save_tiny_hf
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_frozen_linear_names_match_build_model(tmp_path: Path) -> None:
     from lorad.server.engine.models.model import Linear
     from lorad.server.engine.prepare.build import frozen_linears
 
-    folder = write_tiny_qwen2(tmp_path / "m")
+    folder = save_tiny_hf(tmp_path / "m", "qwen2")
     cfg, weights = read_config(folder), read_weights(folder)
     model = build_model(cfg, weights, backend="torch")
     built = [(m.name, tuple(m.frozen.bias is not None for _ in [0])) for m in model.modules() if isinstance(m, Linear)]
@@ -117,8 +117,8 @@ def test_refuses_other_model_other_soc_other_runtime_and_corruption(tmp_path: Pa
 
 
 def test_model_hash_changes_with_weights(tmp_path: Path) -> None:
-    a, b = write_tiny_qwen2(tmp_path / "a", seed=0), write_tiny_qwen2(tmp_path / "b", seed=1)
-    assert model_hash_of_folder(a) == model_hash_of_folder(write_tiny_qwen2(tmp_path / "a2", seed=0))
+    a, b = save_tiny_hf(tmp_path / "a", "qwen2", seed=0), save_tiny_hf(tmp_path / "b", "qwen2", seed=1)
+    assert model_hash_of_folder(a) == model_hash_of_folder(save_tiny_hf(tmp_path / "a2", "qwen2", seed=0))
     assert model_hash_of_folder(a) != model_hash_of_folder(b)
 
 
@@ -134,7 +134,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     if reason:
         pytest.skip(f"QNN HTP EP unavailable: {reason}")
     tmp = tmp_path_factory.mktemp("prepare")
-    model = write_tiny_qwen2(tmp / "tiny")
+    model = save_tiny_hf(tmp / "tiny", "qwen2")
     bundle = tmp / "bundle-sm8650"
     rc = prepare_main(["--model", str(model), "--soc", "8 Gen 3", "--out", str(bundle), "--bucket", str(BUCKET)])
     assert rc == 0
@@ -208,8 +208,8 @@ def test_loaded_bundle_refused_for_other_soc_or_model(
         load_bundle(bundle_dir, model_hash=model_hash_of_folder(model))
     monkeypatch.setenv("LORAD_QNN_SOC_MODEL", "57")
     monkeypatch.setenv("LORAD_QNN_HTP_ARCH", "75")
-    other = write_tiny_qwen2(tmp_path / "other", seed=1)
-    with pytest.raises(BundleMismatchError, match="prepared for model 'tiny'"):
+    other = save_tiny_hf(tmp_path / "other", "qwen2", seed=1)
+    with pytest.raises(BundleMismatchError, match="prepared for model 'qwen2'"):
         load_bundle(bundle_dir, model_hash=model_hash_of_folder(other))
 
 

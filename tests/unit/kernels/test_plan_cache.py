@@ -9,7 +9,8 @@ import pytest
 import torch
 from lorad.kernels.plan_cache import cache_path, load_or_plan, plan_key
 from structlog.testing import capture_logs
-from test_planner import _setup
+
+from tests.unit.kernels.test_planner import _setup
 
 
 def _plan(tmp_path: Path, **kw: object):

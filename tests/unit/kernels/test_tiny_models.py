@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny_models import PlainLoRA, TinyCausalLM, TinyConfig, lm_loss, random_weights
 from lorad.kernels import LoRALinear, make_frozen_linear
 from torch import Tensor, nn
+
+from tests.fixtures.tiny_reference import PlainLoRA, TinyCausalLM, TinyConfig, lm_loss, random_weights
 
 RANK, ALPHA = 4, 8.0
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny_hf
+
+from tests.fixtures.tiny_hf import save_tiny_hf
 
 
 @pytest.fixture(scope="session")

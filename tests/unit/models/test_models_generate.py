@@ -8,7 +8,8 @@ import pytest
 import torch
 from lorad.server.engine.models import OWN, AdapterWeights, LoraConfig, load_model
 from lorad.server.engine.models.generate import SamplingConfig, generate, generate_ids
-from tiny_models import save_tiny_hf, write_tiny_gguf
+
+from tests.fixtures.tiny_hf import save_tiny_hf, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

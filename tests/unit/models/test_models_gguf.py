@@ -10,8 +10,9 @@ import torch
 from lorad.server.engine.models.cache import read_manifest
 from lorad.server.engine.models.gguf_read import read_gguf
 from lorad.server.engine.models.loader import load_model, resolve
-from tiny_models import CORPUS, save_tiny_hf, write_tiny_gguf
 from tokenizers import Tokenizer
+
+from tests.fixtures.tiny_hf import CORPUS, save_tiny_hf, write_tiny_gguf
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -10,7 +10,7 @@ from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.config import LoraConfig
 from lorad.server.engine.models.hf_folder import read_config, read_weights
 
-VOCAB = 320  # tiny_models.VOCAB
+from tests.fixtures.tiny_hf import VOCAB
 
 
 def _hf(path: Path) -> torch.nn.Module:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,7 @@ from lorad.server.jobs.engine import EngineSession
 from lorad.server.jobs.session import SessionRequest
 from lorad.server.modelhost import ModelHost
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from tiny_models import save_tiny_hf
+from tests.fixtures.tiny_hf import save_tiny_hf
 
 
 class RecordingSink:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ from lorad.server.engine.models.hf_folder import read_config, read_weights
 from lorad.server.engine.models.model import Linear
 from lorad.server.qnn_bundle import assemble
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from tiny_models import save_tiny_hf
+from tests.fixtures.tiny_hf import save_tiny_hf
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

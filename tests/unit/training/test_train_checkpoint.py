@@ -10,9 +10,10 @@ import pytest
 import torch
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
-from train_tiny import make_trainer
 
-HERE = Path(__file__).parent
+from tests.fixtures.tiny_lm import make_trainer
+
+REPO = Path(__file__).resolve().parents[3]  # subprocesses import the `tests` package from here
 CFG = TrainConfig(steps=6, seq_len=32, lr=5e-3, eval_fraction=0.0, keep_checkpoints=2, dropout=0.1)
 
 
@@ -56,17 +57,16 @@ def test_crash_between_write_and_rename_keeps_previous(tmp_path: Path, monkeypat
 
 def test_kill_mid_write_leaves_only_hidden_temp(tmp_path: Path) -> None:
     code = f"""
-import os, sys
+import os
 from pathlib import Path
-sys.path.insert(0, {str(HERE)!r})
-from train_tiny import make_trainer
+from tests.fixtures.tiny_lm import make_trainer
 from lorad.server.engine.training.config import TrainConfig
 t = make_trainer(TrainConfig(steps=6, seq_len=32, eval_fraction=0.0), Path({str(tmp_path)!r}))
 t.train_step(); t.save_checkpoint(); t.train_step()
 Path.replace = lambda self, target: os._exit(9)  # die like kill -9 after the temp file is written and fsynced
 t.save_checkpoint()
 """
-    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 9, p.stderr
     names = sorted(x.name for x in tmp_path.iterdir())
     assert names[-1] == "step-00000001.pt" and len(names) == 2 and names[0].startswith(".tmp-step-00000002.pt")
@@ -113,9 +113,10 @@ def test_rng_roundtrip() -> None:
 
 
 def _worker(mode: str, ckpt_dir: Path, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(
-        [sys.executable, str(HERE / "train_resume_worker.py"), mode, str(ckpt_dir), str(out)],
+        [sys.executable, "-m", "tests.unit.training.train_resume_worker", mode, str(ckpt_dir), str(out)],
+        cwd=REPO,
         check=False,
         capture_output=True,
         text=True,

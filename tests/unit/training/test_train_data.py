@@ -4,7 +4,8 @@ import pytest
 import torch
 from lorad.server.engine.training.data import ChatSample, DataError, Message, TextSample, is_eval, prepare, sample_hash
 from lorad.server.engine.training.packing import IGNORE, BatchStream, eval_batches, pack, target_count
-from train_tiny import EOS, IM_END, CharTokenizer, corpus
+
+from tests.fixtures.tiny_lm import EOS, IM_END, CharTokenizer, corpus
 
 TOK = CharTokenizer()
 

@@ -16,8 +16,9 @@ from lorad.server.engine.training.checkpoint import CheckpointError
 from lorad.server.engine.training.config import ConfigError, TrainConfig
 from lorad.server.engine.training.precision import PLAN_FILE
 from safetensors.torch import save_file
-from test_train_recipe import CFG, MCFG, SAMPLES, _weights
-from train_tiny import CharTokenizer
+
+from tests.fixtures.tiny_lm import CharTokenizer
+from tests.unit.training.test_train_recipe import CFG, MCFG, SAMPLES, _weights
 
 AUTO = replace(CFG, backend="ort-cpu", precision="auto", steps=4, eval_every=2, dropout=0.0)
 

@@ -11,7 +11,8 @@ from lorad.server.engine.models import ModelConfig, build_model
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.recipe import run_recipe
 from safetensors.torch import load_file
-from train_tiny import VOCAB, CharTokenizer, corpus
+
+from tests.fixtures.tiny_lm import VOCAB, CharTokenizer, corpus
 
 MCFG = ModelConfig(
     vocab_size=VOCAB,

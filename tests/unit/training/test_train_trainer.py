@@ -7,7 +7,8 @@ import torch
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.trainer import Progress
-from train_tiny import make_trainer
+
+from tests.fixtures.tiny_lm import make_trainer
 
 CFG = TrainConfig(
     steps=6, seq_len=32, batch_size=2, lr=1e-2, warmup_steps=1, eval_fraction=0.2, eval_every=2, dropout=0.1, seed=3

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
-from train_tiny import make_trainer
+
+from tests.fixtures.tiny_lm import make_trainer
 
 CFG = TrainConfig(
     steps=8,
