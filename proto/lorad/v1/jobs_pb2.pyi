@@ -109,6 +109,42 @@ BLOCKED_REASON_PAUSED_BY_USER: BlockedReason.ValueType  # 8
 """Paused by a PauseJob call; waits for ResumeJob."""
 Global___BlockedReason: _TypeAlias = BlockedReason  # noqa: Y015
 
+class _JobPhase:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobPhase.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_PHASE_UNSPECIFIED: _JobPhase.ValueType  # 0
+    """Not running (or a daemon that does not report phases)."""
+    JOB_PHASE_LOADING: _JobPhase.ValueType  # 1
+    """Loading the base model and preparing the data (tokenize, split)."""
+    JOB_PHASE_PLANNING: _JobPhase.ValueType  # 2
+    """Measuring which precision each layer can run at (precision "auto" on ort-cpu / qnn-htp); has a fraction."""
+    JOB_PHASE_TRAINING: _JobPhase.ValueType  # 3
+    """Optimizer steps; the fraction is step / total_steps."""
+    JOB_PHASE_EVALUATING: _JobPhase.ValueType  # 4
+    """Measuring the held-out loss (before training and every eval_every_steps)."""
+    JOB_PHASE_EXPORTING: _JobPhase.ValueType  # 5
+    """Writing the finished adapter."""
+
+class JobPhase(_JobPhase, metaclass=_JobPhaseEnumTypeWrapper):
+    """What a running job is doing. Phases with measurable progress also report a fraction (0..1)."""
+
+JOB_PHASE_UNSPECIFIED: JobPhase.ValueType  # 0
+"""Not running (or a daemon that does not report phases)."""
+JOB_PHASE_LOADING: JobPhase.ValueType  # 1
+"""Loading the base model and preparing the data (tokenize, split)."""
+JOB_PHASE_PLANNING: JobPhase.ValueType  # 2
+"""Measuring which precision each layer can run at (precision "auto" on ort-cpu / qnn-htp); has a fraction."""
+JOB_PHASE_TRAINING: JobPhase.ValueType  # 3
+"""Optimizer steps; the fraction is step / total_steps."""
+JOB_PHASE_EVALUATING: JobPhase.ValueType  # 4
+"""Measuring the held-out loss (before training and every eval_every_steps)."""
+JOB_PHASE_EXPORTING: JobPhase.ValueType  # 5
+"""Writing the finished adapter."""
+Global___JobPhase: _TypeAlias = JobPhase  # noqa: Y015
+
 class _JobEventKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -119,13 +155,23 @@ class _JobEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobEvent
     JOB_EVENT_KIND_STATE_CHANGED: _JobEventKind.ValueType  # 1
     """The state changed; see `state` and `blocked_reason`."""
     JOB_EVENT_KIND_PROGRESS: _JobEventKind.ValueType  # 2
-    """A training step finished; see `progress`."""
+    """A training step finished; see `progress`. Sent for every step (a step that ends with an evaluation sends
+    PROGRESS, then EVAL).
+    """
     JOB_EVENT_KIND_EVAL: _JobEventKind.ValueType  # 3
     """A held-out evaluation finished; see `progress.eval_loss`."""
     JOB_EVENT_KIND_CHECKPOINT: _JobEventKind.ValueType  # 4
     """A checkpoint was written; see `checkpoint`."""
     JOB_EVENT_KIND_NOTICE: _JobEventKind.ValueType  # 5
-    """A noteworthy message, e.g. a backend fallback or skipped samples; see `message`."""
+    """A noteworthy message, e.g. a backend fallback or skipped samples; see `message` (and `progress.data` for
+    the "data: ..." notice, sent when the data is prepared).
+    """
+    JOB_EVENT_KIND_PHASE: _JobEventKind.ValueType  # 6
+    """The job entered a phase, or a phase's fraction moved on (at most every 5 %); see `phase`, `phase_fraction`.
+    Training steps are PROGRESS events (phase TRAINING), not PHASE events.
+    """
+    JOB_EVENT_KIND_WARNING: _JobEventKind.ValueType  # 7
+    """Something the caller should act on, e.g. no held-out samples (no eval_loss will be reported); see `message`."""
 
 class JobEventKind(_JobEventKind, metaclass=_JobEventKindEnumTypeWrapper):
     """What kind of event happened."""
@@ -134,14 +180,110 @@ JOB_EVENT_KIND_UNSPECIFIED: JobEventKind.ValueType  # 0
 JOB_EVENT_KIND_STATE_CHANGED: JobEventKind.ValueType  # 1
 """The state changed; see `state` and `blocked_reason`."""
 JOB_EVENT_KIND_PROGRESS: JobEventKind.ValueType  # 2
-"""A training step finished; see `progress`."""
+"""A training step finished; see `progress`. Sent for every step (a step that ends with an evaluation sends
+PROGRESS, then EVAL).
+"""
 JOB_EVENT_KIND_EVAL: JobEventKind.ValueType  # 3
 """A held-out evaluation finished; see `progress.eval_loss`."""
 JOB_EVENT_KIND_CHECKPOINT: JobEventKind.ValueType  # 4
 """A checkpoint was written; see `checkpoint`."""
 JOB_EVENT_KIND_NOTICE: JobEventKind.ValueType  # 5
-"""A noteworthy message, e.g. a backend fallback or skipped samples; see `message`."""
+"""A noteworthy message, e.g. a backend fallback or skipped samples; see `message` (and `progress.data` for
+the "data: ..." notice, sent when the data is prepared).
+"""
+JOB_EVENT_KIND_PHASE: JobEventKind.ValueType  # 6
+"""The job entered a phase, or a phase's fraction moved on (at most every 5 %); see `phase`, `phase_fraction`.
+Training steps are PROGRESS events (phase TRAINING), not PHASE events.
+"""
+JOB_EVENT_KIND_WARNING: JobEventKind.ValueType  # 7
+"""Something the caller should act on, e.g. no held-out samples (no eval_loss will be reported); see `message`."""
 Global___JobEventKind: _TypeAlias = JobEventKind  # noqa: Y015
+
+@_typing.final
+class RejectedSamples(_message.Message):
+    """Samples the job could not use, by reason. Counts only; the samples themselves are never echoed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMPTY_FIELD_NUMBER: _builtins.int
+    TOO_LONG_FIELD_NUMBER: _builtins.int
+    NO_ASSISTANT_TURN_FIELD_NUMBER: _builtins.int
+    NO_TARGET_TOKENS_FIELD_NUMBER: _builtins.int
+    BAD_ROLE_FIELD_NUMBER: _builtins.int
+    RENDER_ERROR_FIELD_NUMBER: _builtins.int
+    OTHER_FIELD_NUMBER: _builtins.int
+    empty: _builtins.int
+    """Text or conversation with nothing in it."""
+    too_long: _builtins.int
+    """Longer than the job's seq_len (a conversation) or 32 x seq_len tokens (a text)."""
+    no_assistant_turn: _builtins.int
+    """A conversation without an assistant message to learn from."""
+    no_target_tokens: _builtins.int
+    """Nothing to train on after the chat template (assistant turns render empty)."""
+    bad_role: _builtins.int
+    """A message role other than system, user, assistant."""
+    render_error: _builtins.int
+    """The chat template failed on the conversation."""
+    other: _builtins.int
+    """Any other reason (a newer daemon's reason this API version does not name)."""
+    def __init__(
+        self,
+        *,
+        empty: _builtins.int = ...,
+        too_long: _builtins.int = ...,
+        no_assistant_turn: _builtins.int = ...,
+        no_target_tokens: _builtins.int = ...,
+        bad_role: _builtins.int = ...,
+        render_error: _builtins.int = ...,
+        other: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad_role", b"bad_role", "empty", b"empty", "no_assistant_turn", b"no_assistant_turn", "no_target_tokens", b"no_target_tokens", "other", b"other", "render_error", b"render_error", "too_long", b"too_long"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RejectedSamples: _TypeAlias = RejectedSamples  # noqa: Y015
+
+@_typing.final
+class JobData(_message.Message):
+    """How the job's samples were used, known once the data is prepared (LOADING phase)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_SAMPLES_FIELD_NUMBER: _builtins.int
+    TRAIN_SAMPLES_FIELD_NUMBER: _builtins.int
+    EVAL_SAMPLES_FIELD_NUMBER: _builtins.int
+    TRAIN_TOKENS_FIELD_NUMBER: _builtins.int
+    REJECTED_FIELD_NUMBER: _builtins.int
+    total_samples: _builtins.int
+    """Samples in the job's data window."""
+    train_samples: _builtins.int
+    """Samples trained on."""
+    eval_samples: _builtins.int
+    """Samples held out to measure eval_loss (chosen by content hash; at least one whenever two are usable)."""
+    train_tokens: _builtins.int
+    """Tokens of the training samples."""
+    @_builtins.property
+    def rejected(self) -> Global___RejectedSamples:
+        """Samples not used, by reason."""
+
+    def __init__(
+        self,
+        *,
+        total_samples: _builtins.int = ...,
+        train_samples: _builtins.int = ...,
+        eval_samples: _builtins.int = ...,
+        train_tokens: _builtins.int = ...,
+        rejected: Global___RejectedSamples | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rejected", b"rejected"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eval_samples", b"eval_samples", "rejected", b"rejected", "total_samples", b"total_samples", "train_samples", b"train_samples", "train_tokens", b"train_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobData: _TypeAlias = JobData  # noqa: Y015
 
 @_typing.final
 class JobProgress(_message.Message):
@@ -158,6 +300,7 @@ class JobProgress(_message.Message):
     ETA_SECONDS_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     TOKENS_SEEN_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Optimizer steps done."""
     total_steps: _builtins.int
@@ -176,6 +319,10 @@ class JobProgress(_message.Message):
     """Learning rate of the last step."""
     tokens_seen: _builtins.int
     """Training tokens processed so far."""
+    @_builtins.property
+    def data(self) -> Global___JobData:
+        """How the samples were used; unset until the data is prepared."""
+
     def __init__(
         self,
         *,
@@ -188,10 +335,11 @@ class JobProgress(_message.Message):
         eta_seconds: _builtins.int | None = ...,
         learning_rate: _builtins.float = ...,
         tokens_seen: _builtins.int = ...,
+        data: Global___JobData | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eta_seconds", b"_eta_seconds", "_eval_loss", b"_eval_loss", "_eval_loss_before", b"_eval_loss_before", "eta_seconds", b"eta_seconds", "eval_loss", b"eval_loss", "eval_loss_before", b"eval_loss_before"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eta_seconds", b"_eta_seconds", "_eval_loss", b"_eval_loss", "_eval_loss_before", b"_eval_loss_before", "data", b"data", "eta_seconds", b"eta_seconds", "eval_loss", b"eval_loss", "eval_loss_before", b"eval_loss_before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eta_seconds", b"_eta_seconds", "_eval_loss", b"_eval_loss", "_eval_loss_before", b"_eval_loss_before", "eta_seconds", b"eta_seconds", "eval_loss", b"eval_loss", "eval_loss_before", b"eval_loss_before", "learning_rate", b"learning_rate", "step", b"step", "tokens_per_second", b"tokens_per_second", "tokens_seen", b"tokens_seen", "total_steps", b"total_steps", "train_loss", b"train_loss"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eta_seconds", b"_eta_seconds", "_eval_loss", b"_eval_loss", "_eval_loss_before", b"_eval_loss_before", "data", b"data", "eta_seconds", b"eta_seconds", "eval_loss", b"eval_loss", "eval_loss_before", b"eval_loss_before", "learning_rate", b"learning_rate", "step", b"step", "tokens_per_second", b"tokens_per_second", "tokens_seen", b"tokens_seen", "total_steps", b"total_steps", "train_loss", b"train_loss"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eta_seconds: _TypeAlias = _typing.Literal["eta_seconds"]  # noqa: Y015
     _WhichOneofArgType__eta_seconds: _TypeAlias = _typing.Literal["_eta_seconds", b"_eta_seconds"]  # noqa: Y015
@@ -258,6 +406,8 @@ class Job(_message.Message):
     STARTED_AT_MS_FIELD_NUMBER: _builtins.int
     FINISHED_AT_MS_FIELD_NUMBER: _builtins.int
     DATA_UNTIL_MS_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    PHASE_FRACTION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Server-assigned id, e.g. "job_01J9Z..."."""
     request_id: _builtins.str
@@ -282,6 +432,10 @@ class Job(_message.Message):
     """Reached a final state, Unix ms; 0 if not yet."""
     data_until_ms: _builtins.int
     """Only samples committed at or before this time are used, Unix ms (fixed when the job is created)."""
+    phase: Global___JobPhase.ValueType
+    """What the job is doing while RUNNING or PAUSING; UNSPECIFIED otherwise."""
+    phase_fraction: _builtins.float
+    """Progress within `phase`, 0..1; unset for phases without a measure (LOADING, EVALUATING, EXPORTING)."""
     @_builtins.property
     def dataset_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Datasets trained on."""
@@ -327,12 +481,16 @@ class Job(_message.Message):
         started_at_ms: _builtins.int = ...,
         finished_at_ms: _builtins.int = ...,
         data_until_ms: _builtins.int = ...,
+        phase: Global___JobPhase.ValueType = ...,
+        phase_fraction: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "error", b"error", "progress", b"progress", "requirements", b"requirements", "window", b"window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_phase_fraction", b"_phase_fraction", "config", b"config", "error", b"error", "phase_fraction", b"phase_fraction", "progress", b"progress", "requirements", b"requirements", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "backend", b"backend", "blocked_detail", b"blocked_detail", "blocked_reason", b"blocked_reason", "config", b"config", "created_at_ms", b"created_at_ms", "data_until_ms", b"data_until_ms", "dataset_ids", b"dataset_ids", "error", b"error", "finished_at_ms", b"finished_at_ms", "job_id", b"job_id", "progress", b"progress", "request_id", b"request_id", "requirements", b"requirements", "schedule_id", b"schedule_id", "started_at_ms", b"started_at_ms", "state", b"state", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_phase_fraction", b"_phase_fraction", "adapter_id", b"adapter_id", "backend", b"backend", "blocked_detail", b"blocked_detail", "blocked_reason", b"blocked_reason", "config", b"config", "created_at_ms", b"created_at_ms", "data_until_ms", b"data_until_ms", "dataset_ids", b"dataset_ids", "error", b"error", "finished_at_ms", b"finished_at_ms", "job_id", b"job_id", "phase", b"phase", "phase_fraction", b"phase_fraction", "progress", b"progress", "request_id", b"request_id", "requirements", b"requirements", "schedule_id", b"schedule_id", "started_at_ms", b"started_at_ms", "state", b"state", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__phase_fraction: _TypeAlias = _typing.Literal["phase_fraction"]  # noqa: Y015
+    _WhichOneofArgType__phase_fraction: _TypeAlias = _typing.Literal["_phase_fraction", b"_phase_fraction"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__phase_fraction) -> _WhichOneofReturnType__phase_fraction | None: ...
 
 Global___Job: _TypeAlias = Job  # noqa: Y015
 
@@ -352,6 +510,8 @@ class JobEvent(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    PHASE_FRACTION_FIELD_NUMBER: _builtins.int
     event_id: _builtins.int
     """Increases strictly within a job; use it as `after_event_id` to resume."""
     job_id: _builtins.str
@@ -366,6 +526,10 @@ class JobEvent(_message.Message):
     """Blocked reason after the event."""
     message: _builtins.str
     """For STATE_CHANGED and NOTICE events: what happened, in words; never contains sample text."""
+    phase: Global___JobPhase.ValueType
+    """The job's phase after the event."""
+    phase_fraction: _builtins.float
+    """Progress within `phase`, 0..1; unset for phases without a measure."""
     @_builtins.property
     def progress(self) -> Global___JobProgress:
         """Progress after the event."""
@@ -391,12 +555,16 @@ class JobEvent(_message.Message):
         checkpoint: Global___Checkpoint | None = ...,
         message: _builtins.str = ...,
         error: Global___JobError | None = ...,
+        phase: Global___JobPhase.ValueType = ...,
+        phase_fraction: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "error", b"error", "progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_phase_fraction", b"_phase_fraction", "checkpoint", b"checkpoint", "error", b"error", "phase_fraction", b"phase_fraction", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_reason", b"blocked_reason", "checkpoint", b"checkpoint", "error", b"error", "event_id", b"event_id", "job_id", b"job_id", "kind", b"kind", "message", b"message", "progress", b"progress", "state", b"state", "time_ms", b"time_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_phase_fraction", b"_phase_fraction", "blocked_reason", b"blocked_reason", "checkpoint", b"checkpoint", "error", b"error", "event_id", b"event_id", "job_id", b"job_id", "kind", b"kind", "message", b"message", "phase", b"phase", "phase_fraction", b"phase_fraction", "progress", b"progress", "state", b"state", "time_ms", b"time_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__phase_fraction: _TypeAlias = _typing.Literal["phase_fraction"]  # noqa: Y015
+    _WhichOneofArgType__phase_fraction: _TypeAlias = _typing.Literal["_phase_fraction", b"_phase_fraction"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__phase_fraction) -> _WhichOneofReturnType__phase_fraction | None: ...
 
 Global___JobEvent: _TypeAlias = JobEvent  # noqa: Y015
 
