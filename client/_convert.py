@@ -51,6 +51,7 @@ BLOCKED = _EnumMap(jobs_pb2.BlockedReason, "BLOCKED_REASON_", t.BlockedReason, t
 EVENT_KIND = _EnumMap(jobs_pb2.JobEventKind, "JOB_EVENT_KIND_", t.JobEventKind, t.JobEventKind.UNSPECIFIED)
 ADAPTER_FORMAT = _EnumMap(adapters_pb2.AdapterFormat, "ADAPTER_FORMAT_", t.AdapterFormat, t.AdapterFormat.PEFT)
 PROFILE = _EnumMap(device_pb2.DeviceProfile, "DEVICE_PROFILE_", t.DeviceProfile, t.DeviceProfile.UNSPECIFIED)
+PHASE = _EnumMap(jobs_pb2.JobPhase, "JOB_PHASE_", t.JobPhase, t.JobPhase.UNSPECIFIED)
 FINISH = _EnumMap(inference_pb2.FinishReason, "FINISH_REASON_", t.FinishReason, None)
 
 
@@ -230,7 +231,16 @@ def progress(m: jobs_pb2.JobProgress) -> t.JobProgress:
         eta_seconds=_opt(m, "eta_seconds"),
         learning_rate=m.learning_rate,
         tokens_seen=m.tokens_seen,
+        data=job_data(m.data) if m.HasField("data") else None,
     )
+
+
+def job_data(m: jobs_pb2.JobData) -> t.JobData:
+    """Converts a job's data summary."""
+    r = m.rejected
+    rejected = t.RejectedSamples(r.empty, r.too_long, r.no_assistant_turn, r.no_target_tokens, r.bad_role,
+                                 r.render_error, r.other)  # fmt: skip
+    return t.JobData(m.total_samples, m.train_samples, m.eval_samples, m.train_tokens, rejected)
 
 
 def _error(parent: Any) -> t.JobError | None:
@@ -263,6 +273,8 @@ def job(m: jobs_pb2.Job) -> t.Job:
         started_at_ms=m.started_at_ms,
         finished_at_ms=m.finished_at_ms,
         data_until_ms=m.data_until_ms,
+        phase=PHASE.py(m.phase),
+        phase_fraction=_opt(m, "phase_fraction"),
     )
 
 
@@ -279,6 +291,8 @@ def job_event(m: jobs_pb2.JobEvent) -> t.JobEvent:
         checkpoint=checkpoint(m.checkpoint) if m.HasField("checkpoint") else None,
         message=m.message,
         error=_error(m),
+        phase=PHASE.py(m.phase),
+        phase_fraction=_opt(m, "phase_fraction"),
     )
 
 

@@ -56,6 +56,19 @@ class JobEventKind(enum.StrEnum):
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
     NOTICE = "notice"
+    PHASE = "phase"
+    WARNING = "warning"
+
+
+class JobPhase(enum.StrEnum):
+    """What a running job is doing (UNSPECIFIED when it is not running)."""
+
+    UNSPECIFIED = "unspecified"
+    LOADING = "loading"
+    PLANNING = "planning"
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+    EXPORTING = "exporting"
 
 
 class Backend(enum.StrEnum):
@@ -273,6 +286,35 @@ class TrainingWindow:
 
 
 @dataclass(frozen=True)
+class RejectedSamples:
+    """Samples a job could not use, counted by reason."""
+
+    empty: int = 0
+    too_long: int = 0
+    no_assistant_turn: int = 0
+    no_target_tokens: int = 0
+    bad_role: int = 0
+    render_error: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        """All rejected samples."""
+        return sum(vars(self).values())
+
+
+@dataclass(frozen=True)
+class JobData:
+    """How a job's samples were used: split sizes (held-out by content hash) and rejected counts."""
+
+    total_samples: int = 0
+    train_samples: int = 0
+    eval_samples: int = 0
+    train_tokens: int = 0
+    rejected: RejectedSamples = field(default_factory=RejectedSamples)
+
+
+@dataclass(frozen=True)
 class JobProgress:
     """Training progress at a step boundary (losses in nats per token)."""
 
@@ -285,6 +327,7 @@ class JobProgress:
     eta_seconds: int | None = None
     learning_rate: float = 0.0
     tokens_seen: int = 0
+    data: JobData | None = None  # known once the data is prepared
 
 
 @dataclass(frozen=True)
@@ -329,6 +372,8 @@ class Job:
     started_at_ms: int
     finished_at_ms: int
     data_until_ms: int
+    phase: JobPhase = JobPhase.UNSPECIFIED  # while RUNNING or PAUSING
+    phase_fraction: float | None = None  # 0..1 within `phase`; None for phases without a measure
 
     @property
     def is_final(self) -> bool:
@@ -350,6 +395,8 @@ class JobEvent:
     checkpoint: Checkpoint | None
     message: str
     error: JobError | None
+    phase: JobPhase = JobPhase.UNSPECIFIED
+    phase_fraction: float | None = None
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class EventKind(enum.StrEnum):
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
     NOTICE = "notice"
+    PHASE = "phase"
+    WARNING = "warning"
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,38 @@ class JobSpec:
     window: Window | None = None
 
 
+class Phase(enum.StrEnum):
+    """What a running job is doing (the engine reports these names through its ``on_phase`` callback)."""
+
+    NONE = ""
+    LOADING = "loading"
+    PLANNING = "planning"
+    TRAINING = "training"
+    EVALUATING = "evaluating"
+    EXPORTING = "exporting"
+
+
+# Rejection reasons the API names as typed counts (jobs.proto RejectedSamples); any other lands in "other".
+REJECT_REASONS = ("empty", "too_long", "no_assistant_turn", "no_target_tokens", "bad_role", "render_error")
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """How a job's samples were used: split sizes and rejected counts by reason (counts only, never text)."""
+
+    total_samples: int = 0
+    train_samples: int = 0
+    eval_samples: int = 0
+    train_tokens: int = 0
+    rejected: tuple[tuple[str, int], ...] = ()  # (reason, count), reasons sorted, counts > 0
+
+
 @dataclass(frozen=True)
 class Progress:
-    """Training progress at a step boundary."""
+    """A job's latest snapshot: training progress at a step boundary, the current phase and the data summary.
+
+    ``phase`` means something only while the job is RUNNING or PAUSING (the API reports no phase otherwise).
+    """
 
     step: int = 0
     total_steps: int = 0
@@ -197,6 +228,9 @@ class Progress:
     eta_seconds: int | None = None
     learning_rate: float = 0.0
     tokens_seen: int = 0
+    phase: Phase = Phase.NONE
+    phase_fraction: float | None = None  # 0..1 within ``phase``; None for phases without a measure
+    data: DataSummary | None = None
 
 
 @dataclass(frozen=True)

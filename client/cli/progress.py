@@ -7,7 +7,7 @@ import shutil
 import sys
 from typing import TextIO
 
-from lorad.client.types import BlockedReason, Job, JobEventKind, JobState, JobUpdate
+from lorad.client.types import BlockedReason, Job, JobEventKind, JobPhase, JobState, JobUpdate
 
 
 def format_eta(seconds: int | None) -> str:
@@ -26,9 +26,28 @@ def describe_wait(job: Job) -> str:
     return f"{job.state.value}: {job.blocked_detail or job.blocked_reason.value.replace('_', ' ')}"
 
 
+# What a running job is doing outside its training steps, in words.
+PHASE_TEXT = {
+    JobPhase.LOADING: "loading model and data",
+    JobPhase.PLANNING: "planning precisions",
+    JobPhase.EVALUATING: "measuring held-out loss",
+    JobPhase.EXPORTING: "writing adapter",
+}
+
+
+def phase_text(job: Job) -> str:
+    """The running job's phase, e.g. "planning precisions 40 %"; "" while it trains (the bar says it) or waits."""
+    label = PHASE_TEXT.get(job.phase, "") if job.state in (JobState.RUNNING, JobState.PAUSING) else ""
+    if label and job.phase_fraction is not None:
+        label += f" {round(100 * job.phase_fraction)} %"
+    return label
+
+
 def stats_text(job: Job) -> str:
-    """Step, losses, throughput and ETA of a job's latest progress."""
+    """Phase, step, losses, throughput and ETA of a job's latest progress."""
     p = job.progress
+    if phase := phase_text(job):
+        return f"{phase}  step {p.step}/{p.total_steps or '?'}"
     parts = [f"step {p.step}/{p.total_steps or '?'}"]
     if p.step:
         parts.append(f"loss {p.train_loss:.3f}")
@@ -64,18 +83,20 @@ class ProgressView:
     def update(self, u: JobUpdate) -> None:
         """Shows one update, as of its event (a replayed history shows each step, not the latest job)."""
         ev = u.event
-        job = dataclasses.replace(u.job, state=ev.state, blocked_reason=ev.blocked_reason, progress=ev.progress)
+        job = dataclasses.replace(u.job, state=ev.state, blocked_reason=ev.blocked_reason, progress=ev.progress,
+                                  phase=ev.phase, phase_fraction=ev.phase_fraction)  # fmt: skip
         if ev.state is JobState.UNSPECIFIED:
             job = u.job
         changed = ev.kind is JobEventKind.STATE_CHANGED or job.state is not self._last_state
         self._last_state = job.state
-        if ev.kind is JobEventKind.NOTICE and ev.message:
-            self._line(f"{job.job_id} notice: {ev.message}")
+        if ev.kind in (JobEventKind.NOTICE, JobEventKind.WARNING) and ev.message:
+            self._line(f"{job.job_id} {ev.kind.value}: {ev.message}")
         elif changed:
             text = describe_wait(job)
             msg = f" — {ev.message}" if ev.message and ev.message not in text and text not in ev.message else ""
             self._line(f"{job.job_id} {text}{msg}")
         error = ev.error or job.error
+        p = job.progress
         if job.state is JobState.FAILED and error is not None:
             self._line(f"{job.job_id} failed: {error.code}: {error.message}")
             return
@@ -83,7 +104,8 @@ class ProgressView:
             self._redraw(job)
         elif ev.kind is JobEventKind.CHECKPOINT:
             print(f"{job.job_id} checkpoint at step {job.progress.step}", file=self.out, flush=True)
-        elif ev.kind in (JobEventKind.PROGRESS, JobEventKind.EVAL):
+        elif ev.kind in (JobEventKind.PROGRESS, JobEventKind.PHASE) or (ev.kind is JobEventKind.EVAL and not p.step):
+            # A step that ends with an evaluation sends PROGRESS (already carrying eval_loss), then EVAL: one line.
             print(f"{job.job_id} {stats_text(job)}", file=self.out, flush=True)
 
     def _redraw(self, job: Job) -> None:

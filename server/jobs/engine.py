@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from lorad.server.domain import Progress, SampleBody
+from lorad.server.domain import DataSummary, Phase, Progress, SampleBody
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcome, SessionRequest, SessionSink
 from lorad.server.modelhost import ModelHost
 
@@ -28,8 +28,8 @@ def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Any]:
     return out
 
 
-def measure_base_eval_loss(loaded: Any, cfg: Any, samples: list[Any]) -> float | None:
-    """The held-out loss of ``loaded.model`` as the trainer measures it (same split, batches and weighting).
+def measure_base_eval_loss(loaded: Any, cfg: Any, data: Any) -> float | None:
+    """The held-out loss of ``loaded.model`` on ``data`` (``prepare``'s output) as the trainer measures it.
 
     Uses the trainer's own ``Trainer.evaluate`` on a throw-away Trainer over the same model; the global RNG state is
     restored afterwards, so measuring does not change the training run that follows.
@@ -37,11 +37,10 @@ def measure_base_eval_loss(loaded: Any, cfg: Any, samples: list[Any]) -> float |
     Returns:
         The token-weighted mean loss, or None when the job has no held-out samples.
     """
-    from lorad.server.engine.training import Trainer, prepare
+    from lorad.server.engine.training import Trainer
     from lorad.server.engine.training.checkpoint import capture_rng, restore_rng
 
     tok = loaded.tokenizer
-    data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
     rng = capture_rng()
     trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id if tok.eos_id is not None else 0)
     try:
@@ -52,6 +51,15 @@ def measure_base_eval_loss(loaded: Any, cfg: Any, samples: list[Any]) -> float |
     finally:
         trainer.close()
         restore_rng(rng)
+
+
+def data_summary(report: Any) -> DataSummary:
+    """The engine's DataReport as the typed summary jobs report (rejected counts by reason)."""
+    return DataSummary(
+        total_samples=int(report.total), train_samples=int(report.train_samples),
+        eval_samples=int(report.eval_samples), train_tokens=int(report.train_tokens),
+        rejected=tuple(sorted((str(k), int(v)) for k, v in dict(report.rejected).items() if v)),
+    )  # fmt: skip
 
 
 class EngineSession:
@@ -89,8 +97,9 @@ class EngineSession:
     def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
         """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
         from lorad.kernels import detect_backend
-        from lorad.server.engine.training import DataError, run_recipe
+        from lorad.server.engine.training import DataError, prepare, run_recipe
         from lorad.server.engine.training.checkpoint import CheckpointError, list_checkpoints
+        from lorad.server.engine.training.checkpoint import latest as latest_checkpoint
 
         cfg = self._train_config()
         entry = self.models.entry(self.req.spec.params.base_model)
@@ -139,17 +148,37 @@ class EngineSession:
 
         samples = _training_samples(self.req.samples)
         before = self.req.eval_loss_before
+        last = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+        resumed = {"told": False}
+
+        def on_phase(name: str, fraction: float | None) -> None:
+            phase = Phase(name)
+            if phase is Phase.TRAINING and last is not None and not resumed["told"]:
+                resumed["told"] = True  # the trainer starts its loop only after the checkpoint was restored
+                sink.notice(f"resumed from checkpoint step {last.step}")
+            sink.phase(phase, fraction)
 
         def load_and_measure(*args: Any, **kwargs: Any) -> Any:
             # run_recipe calls this before restoring any checkpoint: the fresh adapter's B is zero, so this model
-            # computes exactly the base model's loss.
+            # computes exactly the base model's loss. The data is prepared here too (the recipe prepares it again,
+            # deterministically: tokenizing is ~1 ms per sample) so its notice arrives before training starts.
             nonlocal before
             loaded = self.loader(*args, **kwargs)
-            if before is None:
-                before = measure_base_eval_loss(loaded, cfg, samples)
-                if before is None:
-                    sink.notice("no held-out samples: the loss before training is not measured")
-                else:
+            try:
+                data = prepare(samples, loaded.tokenizer, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
+            except DataError as exc:
+                sink.data(data_summary(exc.report))
+                raise
+            sink.data(data_summary(data.report))
+            if not data.eval:
+                sink.warning(
+                    f"no held-out samples ({data.report.train_samples} usable): no eval loss will be reported; "
+                    "add samples or raise eval_fraction"
+                )
+            elif before is None:
+                sink.phase(Phase.EVALUATING, None)
+                before = measure_base_eval_loss(loaded, cfg, data)
+                if before is not None:
                     sink.eval_before(before, cfg.steps)
             return loaded
 
@@ -157,6 +186,7 @@ class EngineSession:
             res = run_recipe(
                 cfg, samples, work_dir=self.req.work_dir, cache_root=self.cache_root, model_source=entry.source,
                 on_progress=on_progress, should_pause=should_stop, load=load_and_measure, save_adapter=save,
+                on_phase=on_phase,
             )  # fmt: skip
         except DataError as exc:
             raise JobFailure("no_usable_samples", str(exc)) from None
@@ -172,13 +202,6 @@ class EngineSession:
             raise
         scan_checkpoints(res.losses[-1] if res.losses else 0.0)
         rep = res.data_report
-        rejected = {k: v for k, v in dict(rep.rejected).items() if v}
-        sink.notice(
-            f"data: {rep.train_samples} train and {rep.eval_samples} held-out samples"
-            + (f"; rejected {rejected}" if rejected else "")
-        )
-        if res.resumed_from is not None:
-            sink.notice(f"resumed from checkpoint step {res.resumed_from}")
         if res.status != "completed" or res.adapter_dir is None:
             return SessionOutcome(completed=False)
         meta = state["meta"] or {}

@@ -11,13 +11,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.probes import Readings
-from lorad.server.domain import AdapterRec, Blocked, CheckpointRec, EventKind, Job, JobState, Progress, Requirements
+from lorad.server.domain import (
+    AdapterRec,
+    Blocked,
+    CheckpointRec,
+    DataSummary,
+    EventKind,
+    Job,
+    JobState,
+    Phase,
+    Progress,
+    Requirements,
+)
 from lorad.server.errors import FailedPrecondition, NotFound
 from lorad.server.jobs.files import Layout, remove_tree, tree_size
 from lorad.server.jobs.hub import EventHub
@@ -277,8 +289,16 @@ class Runner:
         remove_tree(self.layout.job_dir(job.app_id, job.job_id))
 
 
+# A PHASE event is written when the phase changes or its fraction moved on by this much (planning reports often).
+PHASE_EVENT_STEP = 0.05
+
+
 class _Sink:
-    """Turns session reports into stored events (called on the worker thread)."""
+    """Turns session reports into stored events (called on the worker thread).
+
+    Every report keeps what the job's progress already holds (data summary, loss before training) and sets the
+    phase it implies: a finished step is phase TRAINING at step / total_steps.
+    """
 
     def __init__(self, runner: Runner, job_id: str) -> None:
         self.r, self.job_id = runner, job_id
@@ -286,28 +306,33 @@ class _Sink:
     def _job(self) -> Job:
         return self.r.jobs.get(self.job_id)
 
+    def _record(self, kind: EventKind, progress: Progress | None = None, message: str = "") -> None:
+        self.r.jobs.record(self.job_id, kind, progress=progress, message=message)
+        self.r.hub.notify()
+
     def backend(self, name: str, reason: str) -> None:
         job = self._job()
         if job.state in ON_NPU:
             self.r.jobs.transition(self.job_id, ON_NPU, job.state, blocked=job.blocked, detail=job.blocked_detail,
                                    backend=name)  # fmt: skip
-        self.r.jobs.record(self.job_id, EventKind.NOTICE, message=f"backend {name}: {reason}")
-        self.r.hub.notify()
+        self._record(EventKind.NOTICE, message=f"backend {name}: {reason}")
 
     def eval_before(self, loss: float, total_steps: int) -> None:
         # Stored in the job's progress, so a resumed run (or a restarted daemon) does not measure it again.
-        p = Progress(step=0, total_steps=total_steps, eval_loss=loss, eval_loss_before=loss)
-        self.r.jobs.record(self.job_id, EventKind.EVAL, progress=p, message=f"held-out loss before training {loss:.4f}")
-        self.r.hub.notify()
+        p = replace(self._job().progress, step=0, total_steps=total_steps, eval_loss=loss, eval_loss_before=loss)
+        self._record(EventKind.EVAL, p, f"held-out loss before training {loss:.4f}")
 
     def progress(self, progress: Progress, *, evaluated: bool) -> None:
-        before = self._job().progress.eval_loss_before
-        if progress.eval_loss_before is None and before is not None:
-            from dataclasses import replace
-
-            progress = replace(progress, eval_loss_before=before)
-        self.r.jobs.record(self.job_id, EventKind.EVAL if evaluated else EventKind.PROGRESS, progress=progress)
-        self.r.hub.notify()
+        cur = self._job().progress
+        frac = progress.step / progress.total_steps if progress.total_steps else None
+        progress = replace(
+            progress, eval_loss_before=progress.eval_loss_before if progress.eval_loss_before is not None
+            else cur.eval_loss_before, phase=Phase.TRAINING, phase_fraction=frac, data=progress.data or cur.data,
+        )  # fmt: skip
+        # Every step is a PROGRESS event; a step that ended with an evaluation is followed by its EVAL event.
+        self._record(EventKind.PROGRESS, progress)
+        if evaluated:
+            self._record(EventKind.EVAL, progress)
 
     def checkpoint(self, step: int, path: Path, size_bytes: int, train_loss: float) -> None:
         rec = CheckpointRec(new_id("ckpt"), self.job_id, step, now_ms(), size_bytes, train_loss, str(path))
@@ -318,5 +343,25 @@ class _Sink:
         self.r.hub.notify()
 
     def notice(self, message: str) -> None:
-        self.r.jobs.record(self.job_id, EventKind.NOTICE, message=message)
-        self.r.hub.notify()
+        self._record(EventKind.NOTICE, message=message)
+
+    def warning(self, message: str) -> None:
+        self._record(EventKind.WARNING, message=message)
+
+    def phase(self, phase: Phase, fraction: float | None) -> None:
+        cur = self._job().progress
+        if cur.phase is phase:
+            moved = fraction is not None and (
+                cur.phase_fraction is None or abs(fraction - cur.phase_fraction) >= PHASE_EVENT_STEP or fraction >= 1
+            )
+            if not moved:
+                return
+        self._record(EventKind.PHASE, replace(cur, phase=phase, phase_fraction=fraction))
+
+    def data(self, summary: DataSummary) -> None:
+        rejected = ", ".join(f"{n} {reason}" for reason, n in summary.rejected)
+        self._record(
+            EventKind.NOTICE, replace(self._job().progress, data=summary),
+            f"data: {summary.train_samples} train and {summary.eval_samples} held-out samples"
+            + (f"; rejected {rejected}" if rejected else ""),
+        )  # fmt: skip

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lorad.server.domain import JobSpec, Progress, SampleBody
+from lorad.server.domain import DataSummary, JobSpec, Phase, Progress, SampleBody
 
 
 class JobFailure(Exception):  # noqa: N818  (reads as the job's outcome)
@@ -78,6 +78,18 @@ class SessionSink(Protocol):
 
     def notice(self, message: str) -> None:
         """Something noteworthy (never sample text)."""
+        ...
+
+    def warning(self, message: str) -> None:
+        """Something the caller should act on, e.g. no held-out samples (never sample text)."""
+        ...
+
+    def phase(self, phase: Phase, fraction: float | None) -> None:
+        """The run entered ``phase`` (or its fraction, 0..1, moved on)."""
+        ...
+
+    def data(self, summary: DataSummary) -> None:
+        """The job's samples were prepared: split sizes and rejected counts."""
         ...
 
 

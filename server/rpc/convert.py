@@ -165,7 +165,31 @@ def progress_pb(p: d.Progress) -> jobs_pb2.JobProgress:
         out.eval_loss_before = p.eval_loss_before
     if p.eta_seconds is not None:
         out.eta_seconds = p.eta_seconds
+    if p.data is not None:
+        out.data.CopyFrom(data_pb(p.data))
     return out
+
+
+def data_pb(s: d.DataSummary) -> jobs_pb2.JobData:
+    """DataSummary → proto (reasons the API does not name are counted as `other`)."""
+    known = dict.fromkeys(d.REJECT_REASONS, 0)
+    other = 0
+    for reason, n in s.rejected:
+        if reason in known:
+            known[reason] += n
+        else:
+            other += n
+    return jobs_pb2.JobData(total_samples=s.total_samples, train_samples=s.train_samples,
+                            eval_samples=s.eval_samples, train_tokens=s.train_tokens,
+                            rejected=jobs_pb2.RejectedSamples(**known, other=other))  # fmt: skip
+
+
+def _set_phase(out: jobs_pb2.Job | jobs_pb2.JobEvent, state: d.JobState, p: d.Progress) -> None:
+    """Phase and fraction of a job that is on the NPU (a stored phase of a paused or finished job is stale)."""
+    if state in (d.JobState.RUNNING, d.JobState.PAUSING) and p.phase is not d.Phase.NONE:
+        out.phase = jobs_pb2.JobPhase.Value(f"JOB_PHASE_{p.phase.name}")
+        if p.phase_fraction is not None:
+            out.phase_fraction = p.phase_fraction
 
 
 def job_pb(j: d.Job) -> jobs_pb2.Job:
@@ -183,6 +207,7 @@ def job_pb(j: d.Job) -> jobs_pb2.Job:
         out.window.CopyFrom(w)
     if j.error_code:
         out.error.CopyFrom(jobs_pb2.JobError(code=j.error_code, message=j.error_message))
+    _set_phase(out, j.state, j.progress)
     return out
 
 
@@ -204,6 +229,7 @@ def event_pb(e: d.JobEvent) -> jobs_pb2.JobEvent:
         out.checkpoint.CopyFrom(checkpoint_pb(e.checkpoint))
     if e.error_code:
         out.error.CopyFrom(jobs_pb2.JobError(code=e.error_code, message=e.error_message))
+    _set_phase(out, e.state, e.progress)
     return out
 
 

@@ -9,8 +9,10 @@ from typing import Any
 
 from lorad.server.domain import (
     CheckpointRec,
+    DataSummary,
     JobSpec,
     Message,
+    Phase,
     Progress,
     Requirements,
     SampleBody,
@@ -73,8 +75,15 @@ def progress_to_json(p: Progress) -> str:
 
 
 def progress_from_json(raw: str) -> Progress:
-    """Inverse of progress_to_json (an empty object is the zero progress)."""
-    return Progress(**json.loads(raw or "{}"))
+    """Inverse of progress_to_json (an empty object is the zero progress; rows older than phases have none)."""
+    d = json.loads(raw or "{}")
+    if "phase" in d:
+        d["phase"] = Phase(d["phase"])
+    if d.get("data") is not None:
+        data = dict(d["data"])
+        data["rejected"] = tuple((str(r), int(n)) for r, n in data.get("rejected", ()))
+        d["data"] = DataSummary(**data)
+    return Progress(**d)
 
 
 def checkpoint_to_json(c: CheckpointRec | None) -> str:

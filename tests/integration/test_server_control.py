@@ -26,7 +26,9 @@ def _events(app, job_id):
 
 
 def _progress_steps(events):
-    return [e.progress.step for e in events if e.kind in (S.JOB_EVENT_KIND_PROGRESS, S.JOB_EVENT_KIND_EVAL)]
+    # Every step is a PROGRESS event; step 0 is the EVAL of the base model's held-out loss.
+    kinds = (S.JOB_EVENT_KIND_PROGRESS, S.JOB_EVENT_KIND_EVAL)
+    return [e.progress.step for e in events if e.kind == kinds[0] or (e.kind == kinds[1] and e.progress.step == 0)]
 
 
 def test_pause_and_resume_by_rpc_continues_from_the_checkpoint(make_daemon) -> None:

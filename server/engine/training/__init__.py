@@ -4,7 +4,8 @@ Public surface:
 - ``TrainConfig``, ``ConfigError`` (config)
 - ``TextSample``, ``ChatSample``, ``Message``, ``prepare``, ``PreparedData``, ``DataReport``, ``DataError`` (data)
 - ``pack``, ``BatchStream`` (packing); ``lr_at`` (schedule); ``LayerwiseAdamW`` (optim)
-- ``Trainer``, ``Progress``, ``TrainResult`` (trainer); ``checkpoint`` module (save/list/load, CheckpointError)
+- ``Trainer``, ``Progress``, ``TrainResult``, ``PhaseCallback`` (trainer; ``on_phase(phase, fraction)``)
+- ``checkpoint`` module (save/list/load, CheckpointError)
 - ``run_recipe``, ``RecipeResult`` (recipe: setup → train → save → cleanup)
 """
 
@@ -23,7 +24,7 @@ from lorad.server.engine.training.optim import LayerwiseAdamW
 from lorad.server.engine.training.packing import BatchStream, pack
 from lorad.server.engine.training.recipe import RecipeResult, run_recipe
 from lorad.server.engine.training.schedule import lr_at
-from lorad.server.engine.training.trainer import Progress, Trainer, TrainResult
+from lorad.server.engine.training.trainer import PhaseCallback, Progress, Trainer, TrainResult
 
 __all__ = [
     "BatchStream",
@@ -33,6 +34,7 @@ __all__ = [
     "DataReport",
     "LayerwiseAdamW",
     "Message",
+    "PhaseCallback",
     "PreparedData",
     "Progress",
     "RecipeResult",

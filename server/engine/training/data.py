@@ -196,7 +196,8 @@ def prepare(
         samples: the job's samples in store order.
         tok: tokenizer wrapper (encode, render_chat, eos_id).
         seq_len: packed sequence length in tokens.
-        eval_fraction: share of samples (by hash) held out for eval loss.
+        eval_fraction: share of samples (by hash) held out for eval loss; when it is > 0 and the split holds out
+            nothing, one sample is held out anyway if at least two are usable.
         max_tokens: longest accepted sample in tokens.
 
     Returns:
@@ -229,6 +230,11 @@ def prepare(
             continue
         ts = TokenizedSample(h, tuple(ids), tuple(mask), is_chat)
         (held if is_eval(h, eval_fraction) else train).append(ts)
+    if eval_fraction > 0 and not held and len(train) >= 2:
+        # A tiny data set can leave the hash split empty; hold out the sample nearest to it (smallest hash score)
+        # so the job still reports a held-out loss. Deterministic: same samples, same choice.
+        nearest = min(range(len(train)), key=lambda j: train[j].sample_hash[:16])
+        held.append(train.pop(nearest))
     report.train_samples, report.eval_samples = len(train), len(held)
     report.train_tokens = sum(len(s.ids) for s in train)
     report.eval_tokens = sum(len(s.ids) for s in held)

@@ -15,7 +15,7 @@ from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
 from lorad.server.engine.training.precision import JobPlan, plan_job, plans_here
-from lorad.server.engine.training.trainer import Progress, Trainer
+from lorad.server.engine.training.trainer import PhaseCallback, Progress, Trainer
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +46,10 @@ class RecipeResult:
     precision_plan: tuple[tuple[str, str, str], ...] = ()
     plan_summary: dict[str, Any] | None = None  # PrecisionPlan.summary() when precision "auto" planned
     plan_sha256: str | None = None  # of work_dir/precision_plan.json
+
+
+def _no_phase(phase: str, fraction: float | None) -> None:
+    """The default `on_phase`: nobody listens."""
 
 
 def seed_everything(seed: int) -> None:
@@ -87,6 +91,7 @@ def run_recipe(
     should_pause: Callable[[], bool] | None = None,
     load: Callable[..., Any] | None = None,
     save_adapter: Callable[[Any, Path, dict[str, Any]], Path] = save_adapter_files,
+    on_phase: PhaseCallback | None = None,
 ) -> RecipeResult:
     """Trains a LoRA adapter on `samples`, resuming from the newest checkpoint in `work_dir` if there is one.
 
@@ -100,6 +105,7 @@ def run_recipe(
         should_pause: polled at step boundaries; True → checkpoint and return status "paused".
         load: model loader with `lorad.server.engine.models.loader.load_model`'s signature (tests inject tiny models).
         save_adapter: writes the finished adapter; returns its directory.
+        on_phase: told when the run enters a phase (see `PhaseCallback`); called on the training thread.
 
     Returns:
         The result; status "completed" (adapter saved) or "paused" (checkpoint saved).
@@ -112,6 +118,8 @@ def run_recipe(
         from lorad.server.engine.models.loader import load_model
 
         load = load_model
+    phase = on_phase or _no_phase
+    phase("loading", None)
     info = detect_backend(cfg.backend)
     precision = resolve_precision(cfg.precision, info.name)
     seed_everything(cfg.seed)
@@ -126,9 +134,11 @@ def run_recipe(
     job_plan: JobPlan | None = None
     if plans_here(info.name, cfg.precision):
         # Before the Trainer: its optimizer and hooks must see the re-lowered model. A resume reuses the job's plan.
+        phase("planning", 0.0)
         job_plan = plan_job(loaded, cfg, data, pad_id=pad_id, backend=info.name, work_dir=work_dir,
                             cache_root=cache_root, resuming=last is not None)  # fmt: skip
         precision = "auto"
+        phase("planning", 1.0)
     layers = job_plan.layers() if job_plan else (("*", precision, precision),)
     trainer = Trainer(
         loaded.model,
@@ -138,6 +148,7 @@ def run_recipe(
         checkpoint_dir=ckpt_dir,
         on_progress=on_progress,
         should_pause=should_pause,
+        on_phase=phase,
     )
     if last is not None:
         trainer.restore(last.path)
@@ -156,6 +167,7 @@ def run_recipe(
         # -- save ------------------------------------------------------------------------------------------------
         adapter_dir = None
         if res.status == "completed":
+            phase("exporting", None)
             meta = {
                 "base_model_hash": loaded.model_hash,
                 "tokenizer_hash": loaded.tokenizer_hash,

@@ -62,6 +62,13 @@ class LoraModel(Protocol):
     def train(self, mode: bool = True) -> Any: ...
 
 
+PhaseCallback = Callable[[str, float | None], None]
+"""``on_phase(phase, fraction)``: the run entered ``phase`` ("loading", "planning", "training", "evaluating",
+"exporting"); ``fraction`` is the progress within it (0..1) or None for phases without a measure. The recipe reports
+loading/planning/exporting, the trainer "training" when its loop starts and "evaluating" before each held-out pass;
+each ``on_progress`` call means a training step finished (phase "training" again). Called on the training thread."""
+
+
 @dataclass(frozen=True)
 class Progress:
     """One progress report, sent after every optimizer step."""
@@ -116,11 +123,13 @@ class Trainer:
         checkpoint_dir: Path | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         should_pause: Callable[[], bool] | None = None,
+        on_phase: PhaseCallback | None = None,
     ) -> None:
         """Wires the model, data stream and optimizer; nothing runs until `run()`."""
         self.model, self.cfg, self.data = model, cfg, data
         self.ckpt_dir = checkpoint_dir
         self.on_progress = on_progress
+        self.on_phase = on_phase
         self.should_pause = should_pause or (lambda: False)
         self.stream = BatchStream(
             data.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, pad_id=pad_id
@@ -252,6 +261,8 @@ class Trainer:
         cfg, res = self.cfg, self.history
         self.model.train(True)
         ema: float | None = None
+        if self.on_phase is not None:
+            self.on_phase("training", self.step / cfg.steps if cfg.steps else 0.0)
         while self.step < cfg.steps:
             if self.should_pause():
                 res.status, res.step = "paused", self.step
@@ -269,6 +280,8 @@ class Trainer:
             ema = dt if ema is None else 0.8 * ema + 0.2 * dt
             ev = None
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                if self.on_phase is not None and self.eval_set:
+                    self.on_phase("evaluating", None)
                 ev = self.evaluate()
                 if ev is not None:
                     res.eval_losses.append((self.step, ev))

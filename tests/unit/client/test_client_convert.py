@@ -21,6 +21,7 @@ from lorad.v1 import adapters_pb2, common_pb2, inference_pb2, jobs_pb2
         (jobs_pb2.JobState, conv.JOB_STATE),
         (jobs_pb2.BlockedReason, conv.BLOCKED),
         (jobs_pb2.JobEventKind, conv.EVENT_KIND),
+        (jobs_pb2.JobPhase, conv.PHASE),
         (adapters_pb2.AdapterFormat, conv.ADAPTER_FORMAT),
         (inference_pb2.FinishReason, conv.FINISH),
     ],
@@ -84,3 +85,16 @@ def test_backoff_grows_is_capped_and_jittered() -> None:
         assert max(delays) - min(delays) > bound / 10  # jittered, not constant
     with pytest.raises(ValueError, match="max_attempts"):
         RetryPolicy(max_attempts=0)
+
+
+def test_job_phase_and_typed_data_summary_reach_the_sdk() -> None:
+    m = jobs_pb2.Job(job_id="j", phase=jobs_pb2.JOB_PHASE_PLANNING, phase_fraction=0.4)
+    m.progress.data.CopyFrom(jobs_pb2.JobData(total_samples=5, train_samples=3, eval_samples=1, train_tokens=90,
+                                              rejected=jobs_pb2.RejectedSamples(too_long=1)))  # fmt: skip
+    j = conv.job(m)
+    assert j.phase is t.JobPhase.PLANNING and j.phase_fraction == pytest.approx(0.4)
+    assert j.progress.data == t.JobData(5, 3, 1, 90, t.RejectedSamples(too_long=1))
+    assert j.progress.data.rejected.total == 1
+    e = conv.job_event(jobs_pb2.JobEvent(kind=jobs_pb2.JOB_EVENT_KIND_WARNING))
+    assert e.kind is t.JobEventKind.WARNING and e.phase is t.JobPhase.UNSPECIFIED and e.phase_fraction is None
+    assert conv.job(jobs_pb2.Job()).progress.data is None

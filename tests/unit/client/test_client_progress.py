@@ -48,3 +48,23 @@ def test_redrawn_bar_on_tty() -> None:
     text = out.getvalue()
     assert text.count("\r\x1b[2K") >= 2 and "step 6/10" in text and "ETA 1:15" in text and "#" in text
     assert text.endswith("\n")
+
+
+def test_phase_is_shown_in_words_with_its_fraction() -> None:
+    import dataclasses
+
+    out = io.StringIO()
+    v = ProgressView(out, tty=False)
+    running = job(t.JobState.RUNNING)
+    for eid, (phase, frac) in enumerate([(t.JobPhase.LOADING, None), (t.JobPhase.PLANNING, 0.4)], start=1):
+        u = update(running, t.JobEventKind.PHASE, eid)
+        v.update(dataclasses.replace(u, event=dataclasses.replace(u.event, phase=phase, phase_fraction=frac)))
+    warn = update(running, t.JobEventKind.WARNING, 3, "no held-out samples (1 usable)")
+    v.update(warn)
+    v.close()
+    assert out.getvalue().splitlines() == [
+        "job_1 running",
+        "job_1 loading model and data  step 0/10",
+        "job_1 planning precisions 40 %  step 0/10",
+        "job_1 warning: no held-out samples (1 usable)",
+    ]

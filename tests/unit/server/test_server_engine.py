@@ -1,4 +1,4 @@
-"""The real engine session: the base model's held-out loss is measured once, before the first step, and is exact."""
+"""The real engine session: the loss before training is measured once and exact; phases and notices arrive in order."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ from typing import Any
 
 import pytest
 import torch
-from lorad.server.domain import JobSpec, Message, Progress, Requirements, SampleBody, TrainingParams
+from lorad.server.domain import (
+    DataSummary,
+    JobSpec,
+    Message,
+    Phase,
+    Progress,
+    Requirements,
+    SampleBody,
+    TrainingParams,
+)
 from lorad.server.jobs.engine import EngineSession
 from lorad.server.jobs.session import SessionRequest
 from lorad.server.modelhost import ModelHost
@@ -24,6 +33,8 @@ class RecordingSink:
         self.train_losses: list[float] = []
         self.notices: list[str] = []
         self.backends: list[tuple[str, str]] = []
+        self.log: list[tuple[str, Any]] = []  # every report in order: ("phase", (phase, fraction)), ("step", 3), …
+        self.data_summaries: list[DataSummary] = []
 
     def backend(self, name: str, reason: str) -> None:
         self.backends.append((name, reason))
@@ -34,12 +45,24 @@ class RecordingSink:
     def progress(self, progress: Progress, *, evaluated: bool) -> None:
         self.progress_steps.append(progress.step)
         self.train_losses.append(progress.train_loss)
+        self.log.append(("step", progress.step))
 
     def checkpoint(self, step: int, path: Path, size_bytes: int, train_loss: float) -> None:
         pass
 
     def notice(self, message: str) -> None:
         self.notices.append(message)
+        self.log.append(("notice", message))
+
+    def warning(self, message: str) -> None:
+        self.log.append(("warning", message))
+
+    def phase(self, phase: Phase, fraction: float | None) -> None:
+        self.log.append(("phase", (phase, fraction)))
+
+    def data(self, summary: DataSummary) -> None:
+        self.data_summaries.append(summary)
+        self.log.append(("data", summary))
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +77,21 @@ def _samples(n: int = 16) -> tuple[SampleBody, ...]:
     )
 
 
-def _run(tiny: Path, work: Path, before: float | None, steps: int = 3) -> tuple[RecordingSink, Any]:
-    params = TrainingParams(base_model="", rank=4, max_steps=steps, batch_size=2, seq_len=64, eval_fraction=0.3,
-                            eval_every_steps=100, checkpoint_every_steps=100, dropout=0.1, learning_rate=1e-3,
-                            seed=3, backend="torch", precision="fp32")  # fmt: skip
-    spec = JobSpec(("ds",), params, Requirements(False, 0, 80.0, False))
-    req = SessionRequest("job_x", "app", spec, _samples(), work, 2, before)
+def _session(tiny: Path, work: Path, before: float | None, steps: int = 3, samples: tuple[SampleBody, ...] = (),
+             **kw: Any) -> EngineSession:  # fmt: skip
+    p = dict(base_model="", rank=4, max_steps=steps, batch_size=2, seq_len=64, eval_fraction=0.3,
+             eval_every_steps=100, checkpoint_every_steps=100, dropout=0.1, learning_rate=1e-3, seed=3,
+             backend="torch", precision="fp32")  # fmt: skip
+    p.update(kw)
+    spec = JobSpec(("ds",), TrainingParams(**p), Requirements(False, 0, 80.0, False))  # type: ignore[arg-type]
+    req = SessionRequest("job_x", "app", spec, samples or _samples(), work, 2, before)
     models = ModelHost(str(tiny), (), work.parent / "cache", "torch")
+    return EngineSession(req, models, work.parent / "cache", "torch")
+
+
+def _run(tiny: Path, work: Path, before: float | None, steps: int = 3, **kw: Any) -> tuple[RecordingSink, Any]:
     sink = RecordingSink()
-    out = EngineSession(req, models, work.parent / "cache", "torch").run(lambda: False, sink)
+    out = _session(tiny, work, before, steps, **kw).run(lambda: False, sink)
     assert out.completed and out.adapter is not None
     return sink, out.adapter
 
@@ -107,3 +136,49 @@ def test_a_stored_loss_before_is_not_measured_again_and_measuring_leaves_trainin
     assert art.eval_loss_before == 1.25
     # Dropout draws from torch's global RNG: measuring must not shift the training trajectory.
     assert measured.train_losses == stored.train_losses
+
+
+def test_every_step_reports_progress_and_phases_and_the_data_notice_come_when_they_happen(
+    tiny: Path, tmp_path: Path
+) -> None:
+    too_long = SampleBody(messages=(Message("user", "word " * 200), Message("assistant", "ok")))
+    sink, _ = _run(tiny, tmp_path / "a", None, steps=5, eval_every_steps=2, samples=(*_samples(), too_long))
+    assert sink.progress_steps == [1, 2, 3, 4, 5], "steps that end with an evaluation report progress too"
+    kinds = [k for k, _ in sink.log]
+    phases = [v[0] for k, v in sink.log if k == "phase"]
+    assert phases[0] is Phase.LOADING
+    # data is prepared while loading: its report comes before the base model's evaluation and the first step
+    assert kinds.index("data") < kinds.index("step")
+    assert phases[phases.index(Phase.LOADING) + 1] is Phase.EVALUATING  # the loss before training
+    first_train = sink.log.index(("phase", (Phase.TRAINING, 0.0)))
+    assert first_train < kinds.index("step")
+    # each evaluation (after steps 2, 4 and the last) is announced before that step's progress
+    for step in (2, 4, 5):
+        at = sink.log.index(("step", step))
+        assert sink.log[at - 1] == ("phase", (Phase.EVALUATING, None)), sink.log[at - 3 : at + 1]
+    assert sink.log[-1] == ("phase", (Phase.EXPORTING, None))
+    (summary,) = sink.data_summaries
+    assert summary.total_samples == 17 and summary.rejected == (("too_long", 1),)
+    assert summary.train_samples + summary.eval_samples == 16 and summary.eval_samples >= 1
+    assert not any(n.startswith("data:") for n in sink.notices), "the runner words the data notice, not the engine"
+
+
+def test_resume_notice_arrives_before_the_first_resumed_step(tiny: Path, tmp_path: Path) -> None:
+    work = tmp_path / "a"
+    first = RecordingSink()
+    out = _session(tiny, work, None, steps=4).run(lambda: len(first.progress_steps) >= 2, first)
+    assert not out.completed and first.progress_steps == [1, 2]
+    assert not any("resumed" in n for n in first.notices)
+    again = RecordingSink()
+    out = _session(tiny, work, 1.5, steps=4).run(lambda: False, again)
+    assert out.completed and again.progress_steps == [3, 4]
+    notice = again.log.index(("notice", "resumed from checkpoint step 2"))
+    assert notice < again.log.index(("step", 3))
+    assert ("phase", (Phase.TRAINING, 0.5)) in again.log
+
+
+def test_a_single_usable_sample_warns_that_no_held_out_loss_will_come(tiny: Path, tmp_path: Path) -> None:
+    sink, _ = _run(tiny, tmp_path / "a", None, steps=2, samples=_samples(1))
+    warnings = [v for k, v in sink.log if k == "warning"]
+    assert len(warnings) == 1 and "no held-out samples" in warnings[0]
+    assert sink.before == [] and sink.data_summaries[0].eval_samples == 0

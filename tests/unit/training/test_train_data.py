@@ -116,3 +116,14 @@ def test_eval_batches_and_target_count() -> None:
     assert all(torch.equal(x[0], y[0]) for x, y in zip(ev, rev))
     labels = torch.tensor([[5, IGNORE, 7, 8]])
     assert target_count(labels) == 2  # position 0 is never a target after the shift
+
+
+def test_tiny_data_set_always_holds_one_sample_out() -> None:
+    # Three samples whose hashes all fall outside a 10 % split: the hash split alone would hold out nothing.
+    samples = [s for s in (TextSample(f"tiny sample {i}") for i in range(40)) if not is_eval(sample_hash(s), 0.1)][:3]
+    d = prepare(samples, TOK, seq_len=64, eval_fraction=0.1)
+    assert d.report.eval_samples == 1 and d.report.train_samples == 2
+    nearest = min(samples, key=lambda s: sample_hash(s)[:16])
+    assert [s.sample_hash for s in d.eval] == [sample_hash(nearest)], "deterministic: the sample nearest the split"
+    assert prepare(samples, TOK, seq_len=64, eval_fraction=0.0).report.eval_samples == 0, "0 means no held-out set"
+    assert prepare(samples[:1], TOK, seq_len=64, eval_fraction=0.1).report.eval_samples == 0, "one sample trains"
