@@ -105,20 +105,24 @@ def make_daemon(tmp_path: Path, tiny_llama: Path) -> Iterator[Any]:
             h.stop()
 
 
+def served_env(root: Path, model_dir: Path, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a `lorad serve` with the DEFAULT config: only data dir, model and backend are set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    env.update(HOME=str(root), LORAD_CLIENT_CONFIG=str(root / "client.toml"), PATH=f"{Path(sys.executable).parent}:"
+               f"{env.get('PATH', '')}", LORAD_STORAGE_DATA_DIR=str(root / "data"),
+               LORAD_TRAINING_DEFAULT_MODEL=str(model_dir), LORAD_TRAINING_BACKEND="torch",
+               LORAD_LOGGING_LEVEL="warning", **(extra_env or {}))  # fmt: skip
+    return env
+
+
 class ServedDaemon:
-    """`lorad serve` in a subprocess with the DEFAULT config (no probe file), plus a way to run CLI commands at it.
+    """`lorad serve` in a subprocess (no probe file), plus a way to run CLI commands at it."""
 
-    Only the data dir, the model (the tiny Llama) and the backend (torch) are set, through the environment.
-    """
-
-    def __init__(self, root: Path, model_dir: Path, extra_env: dict[str, str] | None = None) -> None:
-        self.root, self.data_dir = root, root / "data"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
-        self.env.update(HOME=str(root), LORAD_CLIENT_CONFIG=str(root / "client.toml"),
-                        LORAD_STORAGE_DATA_DIR=str(self.data_dir), LORAD_TRAINING_DEFAULT_MODEL=str(model_dir),
-                        LORAD_TRAINING_BACKEND="torch", LORAD_LOGGING_LEVEL="warning", **(extra_env or {}))  # fmt: skip
+    def __init__(self, root: Path, env: dict[str, str], command: list[str] | None = None,
+                 cwd: Path | None = None) -> None:  # fmt: skip
+        self.root, self.env, self.data_dir = root, env, Path(env["LORAD_STORAGE_DATA_DIR"])
         self.log = (root / "serve.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "lorad.client.cli", "serve"], env=self.env,
+        self.proc = subprocess.Popen(command or [sys.executable, "-m", "lorad.client.cli", "serve"], env=env, cwd=cwd,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         sock = self.data_dir / "run" / "lorad.sock"
         deadline = time.monotonic() + 120
@@ -129,13 +133,13 @@ class ServedDaemon:
             time.sleep(0.1)
 
     def cli(self, *argv: str, stdin: str | None = None, cwd: Path | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:  # fmt: skip
+            timeout: float = 600) -> subprocess.CompletedProcess[str]:  # fmt: skip
         """Runs `lorad ARGV...` against this daemon."""
         return subprocess.run([sys.executable, "-m", "lorad.client.cli", *argv], check=False, input=stdin,
                               capture_output=True, text=True, env=self.env, cwd=cwd, timeout=timeout)  # fmt: skip
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 60 s."""
+        """SIGTERM to the daemon's process group, then SIGKILL after 60 s."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -148,13 +152,13 @@ class ServedDaemon:
 
 @pytest.fixture
 def lorad_serve(tmp_path: Path, tiny_llama: Path) -> Iterator[Any]:
-    """Factory: ``lorad_serve(**extra_env)`` → a started ServedDaemon (stopped after the test)."""
+    """Factory: ``lorad_serve(**extra_env)`` → a started ServedDaemon on the tiny Llama (stopped after the test)."""
     started: list[ServedDaemon] = []
 
     def make(**extra_env: str) -> ServedDaemon:
         root = tmp_path / f"served{len(started)}"
         root.mkdir()
-        d = ServedDaemon(root, tiny_llama, extra_env)
+        d = ServedDaemon(root, served_env(root, tiny_llama, extra_env))
         started.append(d)
         return d
 
