@@ -103,6 +103,8 @@ def training_config_to_pb(c: t.TrainingConfig) -> common_pb2.TrainingConfig:
         backend=BACKEND.pb(c.backend),
         precision=PRECISION.pb(c.precision),
         eval_fraction=c.eval_fraction,
+        init_adapter_id=c.init_adapter_id,
+        freeze_lora_a=c.freeze_lora_a,
     )
 
 
@@ -201,6 +203,8 @@ def training_config(m: common_pb2.TrainingConfig) -> t.TrainingConfig:
         backend=BACKEND.py(m.backend),
         precision=PRECISION.py(m.precision),
         eval_fraction=m.eval_fraction,
+        init_adapter_id=m.init_adapter_id,
+        freeze_lora_a=m.freeze_lora_a,
     )
 
 

@@ -77,6 +77,7 @@ def generate_request(
     stop: Sequence[str],
     base_model: str,
     system: str | None,
+    extra_adapter_ids: Sequence[str] = (),
 ) -> inference_pb2.GenerateRequest:
     """Builds a GenerateRequest: a string is one user turn (or raw text with raw=True), else the given turns."""
     req = inference_pb2.GenerateRequest(
@@ -87,6 +88,7 @@ def generate_request(
         seed=seed,
         stop=list(stop),
         base_model=base_model,
+        extra_adapter_ids=list(extra_adapter_ids),
     )
     if isinstance(prompt, str) and raw:
         req.text = prompt

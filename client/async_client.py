@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import uuid
@@ -44,6 +45,7 @@ from lorad.v1 import (
 log = logging.getLogger(__name__)
 
 MAX_RECEIVE_BYTES = 32 * 1024 * 1024  # a download chunk is <= 1 MiB; listings of 1,000 samples can be large
+IMPORT_CHUNK = 1024 * 1024  # ImportAdapter chunks are at most 1 MiB
 MAX_SEND_BYTES = 17 * 1024 * 1024  # AppendSamples allows 16 MiB per request
 
 JobRef = t.Job | str
@@ -396,6 +398,35 @@ class AsyncClient:
         req = adapters_pb2.DeleteAdapterRequest(adapter_id=await self.adapter_id_of(adapter))
         return int((await self._unary("DeleteAdapter", self._adapters.DeleteAdapter, req)).freed_bytes)
 
+    async def import_adapter(self, peft_tar: bytes, base_model_sha256: str, base_model: str = "") -> t.Adapter:
+        """Stores a PEFT adapter tar (as download_adapter writes it) in the app's registry.
+
+        Args:
+            peft_tar: the uncompressed tar of adapter_config.json + adapter_model.safetensors.
+            base_model_sha256: the base model the adapter was made for; the daemon refuses another.
+            base_model: the daemon's model name; empty means its default model.
+
+        Raises:
+            FailedPrecondition: the daemon's base model differs.
+            InvalidArgument: not a loadable PEFT LoRA adapter, or a size/digest mismatch.
+        """
+        header = adapters_pb2.ImportAdapterHeader(
+            base_model=base_model, base_model_sha256=base_model_sha256, total_size_bytes=len(peft_tar),
+            sha256=hashlib.sha256(peft_tar).hexdigest(),
+        )  # fmt: skip
+
+        async def messages() -> AsyncIterator[adapters_pb2.ImportAdapterRequest]:
+            yield adapters_pb2.ImportAdapterRequest(header=header)
+            for off in range(0, len(peft_tar), IMPORT_CHUNK):
+                yield adapters_pb2.ImportAdapterRequest(chunk=peft_tar[off : off + IMPORT_CHUNK])
+
+        try:
+            resp = await self._adapters.ImportAdapter(messages(), metadata=self._metadata,
+                                                      timeout=self.settings.timeout_seconds)  # fmt: skip
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        return conv.adapter(resp.adapter)
+
     async def adapter_id_of(self, ref: AdapterRef) -> str:
         """The adapter id of an Adapter, a (succeeded) Job, a job id ("job_...") or an adapter id.
 
@@ -496,8 +527,13 @@ class AsyncClient:
         seed: int = 0,
         stop: Sequence[str] = (),
         base_model: str = "",
+        extra_adapters: Sequence[AdapterRef] = (),
     ) -> AsyncIterator[t.GenerateChunk]:
-        """Streams generated text. A string prompt is one user turn (raw=True continues it as plain text)."""
+        """Streams generated text. A string prompt is one user turn (raw=True continues it as plain text).
+
+        ``extra_adapters`` are applied together with ``adapter`` (e.g. a federated global and a personal adapter):
+        their updates add.
+        """
         req = rq.generate_request(
             prompt,
             adapter_id=await self.adapter_id_of(adapter) if adapter is not None else "",
@@ -509,6 +545,7 @@ class AsyncClient:
             stop=stop,
             base_model=base_model,
             system=system,
+            extra_adapter_ids=[await self.adapter_id_of(a) for a in extra_adapters],
         )
         call = self._inference.Generate(req, metadata=self._metadata)
         try:

@@ -228,6 +228,10 @@ class Client:
         """Gets one adapter by Adapter, adapter id, Job or job id."""
         return self._loop.run(self._aio.get_adapter(adapter))
 
+    def import_adapter(self, peft_tar: bytes, base_model_sha256: str, base_model: str = "") -> t.Adapter:
+        """Stores a PEFT adapter tar in the app's registry; see AsyncClient.import_adapter."""
+        return self._loop.run(self._aio.import_adapter(peft_tar, base_model_sha256, base_model))
+
     def delete_adapter(self, adapter: AdapterRef) -> int:
         """Deletes an adapter; returns the bytes freed."""
         return self._loop.run(self._aio.delete_adapter(adapter))

@@ -261,6 +261,8 @@ class TrainingConfig:
     backend: Backend = Backend.AUTO
     precision: Precision = Precision.AUTO
     eval_fraction: float = 0.0
+    init_adapter_id: str = ""  # start from this stored adapter (e.g. an imported federated global one)
+    freeze_lora_a: bool = False  # train only B (FFA-LoRA)
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,8 @@ class TrainingParams:
     backend: str = "auto"
     precision: str = "auto"
     eval_fraction: float = 0.1
+    init_adapter_id: str = ""  # start from this adapter of the app (its rank, alpha and targets)
+    freeze_lora_a: bool = False  # FFA-LoRA: only B trains
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,10 +83,17 @@ class Generator:
             self._adapters[rec.adapter_id] = ad.weights()
         return self._adapters[rec.adapter_id]
 
-    def stream(self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool]) -> Iterator[Piece]:
-        """Yields text pieces (runs on a worker thread; stops early when ``cancelled()``)."""
+    def stream(self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool],
+               extra: Sequence[AdapterRec] = ()) -> Iterator[Piece]:  # fmt: skip
+        """Yields text pieces (runs on a worker thread; stops early when ``cancelled()``).
+
+        ``extra`` adapters apply together with ``rec``: their updates add (``compose``).
+        """
         from lorad.server.engine.models.generate import SamplingConfig, generate
 
+        for i, other in enumerate(extra):
+            if rec is None or other.base_model != rec.base_model:
+                raise InvalidArgument(f"extra_adapter_ids[{i}]", "needs adapter_id set and the same base model as it")
         base = req.base_model or (rec.base_model if rec else "")
         if rec is not None and req.base_model and self.models.entry(req.base_model).name != rec.base_model:
             raise InvalidArgument("base_model", f"adapter {rec.adapter_id} was trained on {rec.base_model!r}")
@@ -108,6 +115,8 @@ class Generator:
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars held back so no stop string leaks
         with self._lock:
             adapter = self._adapter_weights(rec, loaded) if rec is not None else None
+            if extra:
+                adapter = compose([adapter, *(self._adapter_weights(r, loaded) for r in extra)])
             text, sent, count, first = "", 0, 0, True
             for t in generate(loaded.model, tok, ids, cfg, adapter=adapter):
                 if t.finish_reason != "stop":
@@ -126,3 +135,21 @@ class Generator:
                     sent, first = end, False
                 if finish or cancelled():
                     return
+
+
+def compose(weights: Sequence[Any]) -> Any:
+    """One AdapterWeights whose update is the sum of the given ones' (e.g. federated global + personal).
+
+    Per module, A factors stack along the rank and B factors (each scaled by its own alpha/r) sit side by side, so
+    B_cat·A_cat = Σ sᵢ·Bᵢ·Aᵢ exactly; the result's scale is 1. A module only some adapters target gets only theirs.
+    """
+    import torch
+    from lorad.server.engine.models.model import AdapterWeights
+
+    mods: dict[str, tuple[list[Any], list[Any]]] = {}
+    for w in weights:
+        for m, (a, b) in w.tensors.items():
+            parts = mods.setdefault(m, ([], []))
+            parts[0].append(a)
+            parts[1].append(b * w.scale)
+    return AdapterWeights({m: (torch.cat(a_s, 0), torch.cat(b_s, 1)) for m, (a_s, b_s) in mods.items()}, 1.0)

@@ -157,6 +157,9 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
     base = str(raw.get("base_model") or "")
     if len(base) > 256:
         raise InvalidArgument(f"{field}.base_model", "too long (at most 256 bytes)")
+    init_adapter = str(raw.get("init_adapter_id") or "")
+    if len(init_adapter) > 128:
+        raise InvalidArgument(f"{field}.init_adapter_id", "too long (at most 128 bytes)")
     return TrainingParams(
         base_model=base, rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, max_steps=steps,
         learning_rate=lr, batch_size=vals["batch_size"], seq_len=vals["seq_len"],
@@ -166,6 +169,7 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
         checkpoint_every_steps=int(_num(raw, "checkpoint_every_steps")) or d.checkpoint_every_steps,
         seed=int(_num(raw, "seed")), backend=str(raw.get("backend") or "auto"),
         precision=str(raw.get("precision") or "auto"), eval_fraction=eval_fraction,
+        init_adapter_id=init_adapter, freeze_lora_a=bool(raw.get("freeze_lora_a")),
     )  # fmt: skip
 
 

@@ -62,6 +62,23 @@ def data_summary(report: Any) -> DataSummary:
     )  # fmt: skip
 
 
+def start_from_adapter(loaded: Any, path: Path) -> None:
+    """Copies a stored adapter's A and B into the freshly built model (a resume then restores its checkpoint).
+
+    Raises:
+        JobFailure: the adapter is for another base, or its shape differs from the job's model.
+    """
+    from lorad.server.engine.adapters import AdapterBaseMismatchError, apply_adapter, load_adapter
+
+    try:
+        apply_adapter(loaded.model, load_adapter(path), model_hash=loaded.model_hash,
+                      tokenizer_hash=loaded.tokenizer_hash)  # fmt: skip
+    except AdapterBaseMismatchError as exc:
+        raise JobFailure("init_adapter_mismatch", str(exc)) from None
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        raise JobFailure("init_adapter_mismatch", f"the init adapter does not fit: {str(exc)[:200]}") from None
+
+
 class EngineSession:
     """One RUNNING period of a job on the real trainer (resumes from the newest checkpoint in the work dir)."""
 
@@ -90,6 +107,7 @@ class EngineSession:
                 weight_decay=p.weight_decay, max_grad_norm=p.max_grad_norm, eval_every=p.eval_every_steps,
                 eval_fraction=p.eval_fraction, checkpoint_every=p.checkpoint_every_steps,
                 keep_checkpoints=self.req.keep_checkpoints, seed=p.seed, backend=backend, precision=p.precision,
+                freeze_lora_a=p.freeze_lora_a,
             )  # fmt: skip
         except ConfigError as exc:
             raise JobFailure("invalid_config", "; ".join(exc.errors)) from None
@@ -164,6 +182,8 @@ class EngineSession:
             # deterministically: tokenizing is ~1 ms per sample) so its notice arrives before training starts.
             nonlocal before
             loaded = self.loader(*args, **kwargs)
+            if self.req.init_adapter is not None:
+                start_from_adapter(loaded, self.req.init_adapter)  # before measuring: "before" is this adapter's loss
             try:
                 data = prepare(samples, loaded.tokenizer, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
             except DataError as exc:

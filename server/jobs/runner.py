@@ -217,8 +217,15 @@ class Runner:
             samples = self.samples.training_samples(job.app_id, job.spec.dataset_ids, job.data_until_ms)
             work = self.layout.job_dir(job.app_id, job_id)
             work.mkdir(parents=True, exist_ok=True)
+            init = None
+            if job.spec.params.init_adapter_id:
+                try:
+                    init = Path(self.adapters.get(job.app_id, job.spec.params.init_adapter_id).path)
+                except NotFound:
+                    self._fail(job_id, "init_adapter_missing", "the adapter the job starts from was deleted")
+                    return
             req = SessionRequest(job_id, job.app_id, job.spec, tuple(samples), work, self.keep,
-                                 job.progress.eval_loss_before)  # fmt: skip
+                                 job.progress.eval_loss_before, init)  # fmt: skip
             log.info("job_running", samples=len(samples), steps=job.spec.params.max_steps)
             try:
                 outcome = self.factory(req).run(self._stop.is_set, _Sink(self, job_id))

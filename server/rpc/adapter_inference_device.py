@@ -71,6 +71,34 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
                 yield adapters_pb2.DownloadAdapterResponse(chunk=chunk, offset=offset)
                 offset += len(chunk)
 
+    async def ImportAdapter(self, request_iterator: AsyncIterator[adapters_pb2.ImportAdapterRequest],
+                            context: aio.ServicerContext) -> Any:  # fmt: skip
+        from lorad.server.adapter_import import Upload, check_header, store_import
+
+        app_id = principal().require_app()
+        up: Upload | None = None
+        try:
+            async for msg in request_iterator:
+                which = msg.WhichOneof("payload")
+                if up is None:
+                    if which != "header":
+                        raise InvalidArgument("header", "the first message must carry the header")
+                    h = msg.header
+                    hdr = check_header(h.base_model, h.base_model_sha256, h.total_size_bytes, h.sha256, self.s)
+                    up = await asyncio.to_thread(Upload, self.s, app_id, hdr)
+                elif which == "chunk":
+                    await asyncio.to_thread(up.write, msg.chunk)
+                else:
+                    raise InvalidArgument("header", "only the first message may carry a header")
+            if up is None:
+                raise InvalidArgument("header", "no messages received; send the header, then the chunks")
+            await asyncio.to_thread(up.finish)
+            rec = await asyncio.to_thread(store_import, self.s, app_id, up)
+        finally:
+            if up is not None:
+                up.discard()
+        return adapters_pb2.ImportAdapterResponse(adapter=cv.adapter_pb(rec))
+
     async def DeleteAdapter(self, request: adapters_pb2.DeleteAdapterRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         aid = v.check_server_id("adapter_id", request.adapter_id)
@@ -107,6 +135,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         rec = None
         if request.adapter_id:
             rec = await asyncio.to_thread(self.s.adapters.get, app_id, request.adapter_id)
+        if len(request.extra_adapter_ids) > 8:
+            raise InvalidArgument("extra_adapter_ids", f"{len(request.extra_adapter_ids)} given; at most 8")
+        extra = [await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id(f"extra_adapter_ids[{i}]", a))
+                 for i, a in enumerate(request.extra_adapter_ids)]  # fmt: skip
         req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -114,7 +146,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
         def produce() -> None:
             try:
-                for piece in self.gen.stream(req, rec, stop.is_set):
+                for piece in self.gen.stream(req, rec, stop.is_set, extra):
                     loop.call_soon_threadsafe(queue.put_nowait, piece)
                 loop.call_soon_threadsafe(queue.put_nowait, None)
             except BaseException as exc:  # handed to the RPC task, which maps it

@@ -117,7 +117,7 @@ def training_raw(c: common_pb2.TrainingConfig) -> dict[str, Any]:
         "weight_decay": c.weight_decay, "max_grad_norm": c.max_grad_norm, "eval_every_steps": c.eval_every_steps,
         "checkpoint_every_steps": c.checkpoint_every_steps, "seed": c.seed,
         "backend": BACKEND_NAMES.get(c.backend, ""), "precision": PRECISION_NAMES.get(c.precision, ""),
-        "eval_fraction": c.eval_fraction,
+        "eval_fraction": c.eval_fraction, "init_adapter_id": c.init_adapter_id, "freeze_lora_a": c.freeze_lora_a,
     }  # fmt: skip
 
 
@@ -138,6 +138,7 @@ def params_pb(p: d.TrainingParams) -> common_pb2.TrainingConfig:
         max_grad_norm=p.max_grad_norm, eval_every_steps=p.eval_every_steps,
         checkpoint_every_steps=p.checkpoint_every_steps, seed=p.seed, backend=BACKEND_ENUMS.get(p.backend, 0),
         precision=PRECISION_ENUMS.get(p.precision, 0), eval_fraction=p.eval_fraction,
+        init_adapter_id=p.init_adapter_id, freeze_lora_a=p.freeze_lora_a,
     )  # fmt: skip
 
 

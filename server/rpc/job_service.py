@@ -11,6 +11,7 @@ from grpc import aio
 from lorad.server import validation as v
 from lorad.server.domain import JobSpec
 from lorad.server.errors import InvalidArgument, NotFound, Unauthenticated
+from lorad.server.init_adapter import with_init_adapter
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.scheduler.windows import WindowScheduler
@@ -29,10 +30,13 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self.s = s
         self.scheduler = scheduler
 
-    def _spec(self, dataset_ids: Any, config: Any, requirements: Any, window: Any, has_window: bool) -> JobSpec:
+    def _spec(self, dataset_ids: Any, config: Any, requirements: Any, window: Any, has_window: bool, *,
+              app_id: str) -> JobSpec:  # fmt: skip
         ids = v.check_dataset_ids("dataset_ids", list(dataset_ids))
         params = v.build_params(cv.training_raw(config))
         self.s.models.entry(params.base_model)
+        lora_given = bool(config.lora.rank or config.lora.alpha or config.lora.target_modules)
+        params = with_init_adapter(self.s, app_id, params, lora_given=lora_given)
         reqs = v.build_requirements(cv.requirements_raw(requirements), self.s.default_requirements)
         win = v.build_window(window.cron, window.jitter_seconds, window.timezone) if has_window else None
         return JobSpec(ids, params, reqs, win)
@@ -41,7 +45,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         app_id = principal().require_app()
         rid = v.check_request_id(request.request_id)
         spec = self._spec(request.dataset_ids, request.config, request.requirements, request.window,
-                          request.HasField("window"))  # fmt: skip
+                          request.HasField("window"), app_id=app_id)  # fmt: skip
         job = await asyncio.to_thread(self.s.manager.create, app_id, rid, spec)
         return jobs_pb2.CreateJobResponse(job=cv.job_pb(job))
 
@@ -126,7 +130,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         app_id = principal().require_app()
         if not request.HasField("window"):
             raise InvalidArgument("window.cron", "required: a five-field cron expression, e.g. '30 2 * * *'")
-        spec = self._spec(request.dataset_ids, request.config, request.requirements, request.window, True)
+        spec = self._spec(
+            request.dataset_ids, request.config, request.requirements, request.window, True, app_id=app_id
+        )
         have = await asyncio.to_thread(self.s.samples.existing_datasets, app_id, spec.dataset_ids)
         for d in spec.dataset_ids:
             if d not in have:

@@ -67,6 +67,9 @@ class TrainConfig:
         default="auto",
         metadata=_meta("Frozen-linear precision, e.g. 'fp32'; 'auto' plans it per layer by gradient sensitivity."),
     )
+    freeze_lora_a: bool = field(
+        default=False, metadata=_meta("Keep every LoRA A fixed and train only B (FFA-LoRA; exact federated averaging).")
+    )
     precision_budget: float = field(
         default=0.1,
         metadata=_meta("precision='auto': allowed relative drift of the LoRA gradients vs the reference, in (0, 1]."),

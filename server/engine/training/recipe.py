@@ -140,6 +140,9 @@ def run_recipe(
         precision = "auto"
         phase("planning", 1.0)
     layers = job_plan.layers() if job_plan else (("*", precision, precision),)
+    if cfg.freeze_lora_a:  # after planning (it measures dA too); the optimizer then only sees B
+        for lin in loaded.model.lora_modules():
+            lin.lora.lora_A.requires_grad_(False)
     trainer = Trainer(
         loaded.model,
         cfg,
