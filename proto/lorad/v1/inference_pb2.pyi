@@ -60,6 +60,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     BASE_MODEL_FIELD_NUMBER: _builtins.int
     EXTRA_ADAPTER_IDS_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """An adapter of the calling app; empty means the base model alone."""
     text: _builtins.str
@@ -69,11 +70,18 @@ class GenerateRequest(_message.Message):
     temperature: _builtins.float
     """Sampling temperature, 0 to 2; 0 means greedy decoding."""
     top_p: _builtins.float
-    """Nucleus sampling mass, 0 to 1; 0 means 1 (off)."""
+    """Nucleus sampling: sample only from the most likely tokens whose probabilities add up to this, 0 to 1; 0 means
+    1 (off). Used when temperature > 0.
+    """
     seed: _builtins.int
     """Seed for sampling; equal seeds give equal output."""
     base_model: _builtins.str
     """Base model; empty means the adapter's base (or the default model)."""
+    repetition_penalty: _builtins.float
+    """Discourages repeating recent output, 1 to 2; 0 means 1.1; 1 turns it off. Each time a token occurs in the last
+    64 generated tokens its logit is divided by this once more (multiplied when negative), so greedy decoding
+    cannot loop on one word ("vegan vegan vegan"). Prompt tokens are not penalized.
+    """
     @_builtins.property
     def chat(self) -> _common_pb2.Chat:
         """A conversation rendered with the chat template; the model answers as the assistant."""
@@ -101,10 +109,11 @@ class GenerateRequest(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         base_model: _builtins.str = ...,
         extra_adapter_ids: _abc.Iterable[_builtins.str] | None = ...,
+        repetition_penalty: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "base_model", b"base_model", "chat", b"chat", "extra_adapter_ids", b"extra_adapter_ids", "max_tokens", b"max_tokens", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "text", b"text", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "base_model", b"base_model", "chat", b"chat", "extra_adapter_ids", b"extra_adapter_ids", "max_tokens", b"max_tokens", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "text", b"text", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
