@@ -78,6 +78,7 @@ def generate_request(
     base_model: str,
     system: str | None,
     extra_adapter_ids: Sequence[str] = (),
+    repetition_penalty: float = 0.0,
 ) -> inference_pb2.GenerateRequest:
     """Builds a GenerateRequest: a string is one user turn (or raw text with raw=True), else the given turns."""
     req = inference_pb2.GenerateRequest(
@@ -89,6 +90,7 @@ def generate_request(
         stop=list(stop),
         base_model=base_model,
         extra_adapter_ids=list(extra_adapter_ids),
+        repetition_penalty=repetition_penalty,
     )
     if isinstance(prompt, str) and raw:
         req.text = prompt

@@ -528,11 +528,13 @@ class AsyncClient:
         stop: Sequence[str] = (),
         base_model: str = "",
         extra_adapters: Sequence[AdapterRef] = (),
+        repetition_penalty: float = 0.0,
     ) -> AsyncIterator[t.GenerateChunk]:
         """Streams generated text. A string prompt is one user turn (raw=True continues it as plain text).
 
         ``extra_adapters`` are applied together with ``adapter`` (e.g. a federated global and a personal adapter):
-        their updates add.
+        their updates add. ``temperature`` 0 decodes greedily; ``top_p`` (0 = off) limits sampling to the likeliest
+        tokens; ``repetition_penalty`` 1 to 2 discourages repeating recent output (0 = the daemon's 1.1, 1 = off).
         """
         req = rq.generate_request(
             prompt,
@@ -546,6 +548,7 @@ class AsyncClient:
             base_model=base_model,
             system=system,
             extra_adapter_ids=[await self.adapter_id_of(a) for a in extra_adapters],
+            repetition_penalty=repetition_penalty,
         )
         call = self._inference.Generate(req, metadata=self._metadata)
         try:

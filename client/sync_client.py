@@ -224,6 +224,10 @@ class Client:
         """Lists the app's adapters, newest first."""
         return self._loop.run(self._aio.list_adapters())
 
+    def adapter_id_of(self, adapter: AdapterRef) -> str:
+        """The adapter id of an Adapter, a succeeded Job, a job id or an adapter id (see AsyncClient.adapter_id_of)."""
+        return self._loop.run(self._aio.adapter_id_of(adapter))
+
     def get_adapter(self, adapter: AdapterRef) -> t.Adapter:
         """Gets one adapter by Adapter, adapter id, Job or job id."""
         return self._loop.run(self._aio.get_adapter(adapter))

@@ -28,6 +28,7 @@ class GenRequest:
     seed: int
     stop: tuple[str, ...]
     base_model: str
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,20 @@ class Piece:
     token_count: int
     prompt_tokens: int = 0
     finish: str = ""
+
+
+# The API's default repetition penalty (GenerateRequest.repetition_penalty = 0). 1.1 breaks a one-word loop of an
+# over-fitted adapter within a few tokens; 1.2 already made SmolLM2-135M's plain answers drift (Dec 2026, by hand).
+DEFAULT_REPETITION_PENALTY = 1.1
+
+
+def check_repetition_penalty(penalty: float) -> float:
+    """Validates GenerateRequest.repetition_penalty; returns it with the default filled in (0 → 1.1)."""
+    if penalty == 0:
+        return DEFAULT_REPETITION_PENALTY
+    if not 1 <= penalty <= 2:
+        raise InvalidArgument("repetition_penalty", f"{penalty} out of range; 1 to 2 (1 = off, 0 = default 1.1)")
+    return penalty
 
 
 def check_generate(max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> tuple[int, float, float]:
@@ -111,7 +126,8 @@ class Generator:
             )
         n = min(req.max_tokens, room)
         cfg = SamplingConfig(max_new_tokens=n, temperature=req.temperature, top_p=req.top_p,
-                             seed=req.seed if req.temperature > 0 else None)  # fmt: skip
+                             seed=req.seed if req.temperature > 0 else None,
+                             repetition_penalty=req.repetition_penalty)  # fmt: skip
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars held back so no stop string leaks
         with self._lock:
             adapter = self._adapter_weights(rec, loaded) if rec is not None else None

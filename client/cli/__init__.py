@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from lorad import __version__
-from lorad.client.cli import _apps_data, _jobs, _misc
+from lorad.client.cli import _apps_data, _chat, _jobs, _misc
 from lorad.client.cli._context import global_options, opt
 from lorad.client.cli._output import (
     EXIT_CODES_HELP,
@@ -29,6 +29,7 @@ typical session:
   lorad train diary --nightly "30 2 * * *"        # or now: lorad train diary --watch
   lorad adapters pull job_... -o adapter.tar      # sha256-verified, resumable
   lorad generate "What is my dog called?" --adapter job_...
+  lorad chat --adapter job_...                    # one message per line; Ctrl-D ends
 """
 
 EPILOG = (
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _apps_data.add_parsers(sub, parent)
     _jobs.add_parsers(sub, parent)
     _misc.add_parsers(sub, parent)
+    _chat.add_parsers(sub, parent)
     return parser
 
 

@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Any
 
+from lorad.client.cli._chat import add_sampling_args, sampling_kwargs
 from lorad.client.cli._context import make_client, opt
 from lorad.client.cli._output import EXIT_FAILURE, EXIT_OK, human_bytes, print_json, print_table, to_jsonable, when
 from lorad.client.cli.progress import bar, describe_wait, stats_text
@@ -48,10 +49,7 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     gen.add_argument("--adapter", default=None, help="adapter id or job id (default: base model only)")
     gen.add_argument("--system", default=None, help="a system message before the prompt")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
-    gen.add_argument("--max-tokens", type=int, default=0, help="new tokens, up to 2048 (default 128)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
+    add_sampling_args(gen)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.set_defaults(func=generate)
 
@@ -176,11 +174,8 @@ def generate(args: argparse.Namespace) -> int:
         adapter=args.adapter,
         system=args.system,
         raw=args.raw,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
         stop=args.stop,
+        **sampling_kwargs(args),
     )
     with make_client(args) as c:
         if opt(args, "json"):

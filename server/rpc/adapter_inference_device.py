@@ -14,7 +14,7 @@ from lorad.server import validation as v
 from lorad.server.domain import JobState, Message
 from lorad.server.downloads import CHUNK, adapter_file
 from lorad.server.errors import InvalidArgument
-from lorad.server.generation import Generator, GenRequest, check_generate
+from lorad.server.generation import Generator, GenRequest, check_generate, check_repetition_penalty
 from lorad.server.jobs.files import remove_tree
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
@@ -139,7 +139,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise InvalidArgument("extra_adapter_ids", f"{len(request.extra_adapter_ids)} given; at most 8")
         extra = [await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id(f"extra_adapter_ids[{i}]", a))
                  for i, a in enumerate(request.extra_adapter_ids)]  # fmt: skip
-        req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model)
+        penalty = check_repetition_penalty(request.repetition_penalty)
+        req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model,
+                         penalty)  # fmt: skip
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stop = threading.Event()

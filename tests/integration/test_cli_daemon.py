@@ -77,3 +77,40 @@ def test_cli_session_against_real_daemon(make_daemon: Any, tmp_path: Path) -> No
     assert r.returncode == 0
     r = lorad(tmp_path, h, "data", "list")
     assert r.returncode == 5  # the saved token was revoked
+
+
+def test_cli_chat_tries_an_adapter_line_by_line_and_generate_takes_sampling_flags(
+    make_daemon: Any, tmp_path: Path
+) -> None:
+    from lorad.v1 import jobs_pb2
+
+    from tests.integration.helpers import FINAL, Stubs, append, create_job, wait_state
+
+    h = make_daemon()
+    r = lorad(tmp_path, h, "app", "register", "notes", "--save", "--json")
+    assert r.returncode == 0, r.stderr
+    token = json.loads(r.stdout)["token"]
+    app = Stubs(h.channel(), token)
+    append(app)
+    job = create_job(app, steps=2)
+    assert wait_state(app, job.job_id, FINAL, 120).state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+    # A job id names its adapter; each stdin line is one user turn, earlier turns go along with the next.
+    r = lorad(tmp_path, h, "chat", "--adapter", job.job_id, "--max-tokens", "4", "--json",
+              stdin="What is note 3 about?\n\nAnd note 4?\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [t["user"] for t in turns] == ["What is note 3 about?", "And note 4?"], "blank lines are skipped"
+    assert all(t["finish_reason"] == "length" for t in turns)
+    assert turns[1]["prompt_token_count"] > turns[0]["prompt_token_count"] + 4, "the first exchange goes along"
+    r = lorad(tmp_path, h, "chat", "--adapter", job.job_id, "--max-tokens", "3", stdin="hi\n")
+    assert r.returncode == 0 and r.stdout.endswith("\n") and "> " not in r.stdout, "no prompt when piped"
+
+    r = lorad(tmp_path, h, "generate", "hi", "--repetition-penalty", "3")
+    assert r.returncode == 4 and "repetition_penalty" in r.stderr and "3" in r.stderr, r.stderr
+    args = ("generate", "Hello", "--raw", "--max-tokens", "24")
+    looped = lorad(tmp_path, h, *args, "--repetition-penalty", "1", "--json")
+    default = lorad(tmp_path, h, *args, "--json")
+    assert looped.returncode == 0 and default.returncode == 0, default.stderr
+    # the flag reaches the daemon: switching the penalty off changes greedy output
+    assert json.loads(looped.stdout)["text"] != json.loads(default.stdout)["text"]

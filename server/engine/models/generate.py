@@ -1,4 +1,4 @@
-"""Token-by-token generation with a KV cache: greedy or nucleus sampling, stop tokens, swappable adapters."""
+"""Token-by-token generation with a KV cache: greedy or nucleus sampling, repetition penalty, stop tokens, adapters."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ class SamplingConfig:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy; >0 divides the logits"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass in (0, 1]"})
     seed: int | None = field(default=None, metadata={"help": "sampling RNG seed (None = nondeterministic)"})
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "1 = off; p > 1 divides a positive logit (multiplies a negative one) by p once per time the "
+                  "token occurs in the last REPEAT_WINDOW generated tokens"},
+    )  # fmt: skip
     stop_ids: tuple[int, ...] = field(default=(), metadata={"help": "extra stop token ids (tokenizer's are added)"})
 
     def __post_init__(self) -> None:
@@ -34,6 +39,8 @@ class SamplingConfig:
             errors.append(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:
             errors.append(f"top_p={self.top_p} must be in (0, 1]")
+        if not self.repetition_penalty > 0:
+            errors.append(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
         if errors:
             raise ValueError("invalid SamplingConfig: " + "; ".join(errors))
 
@@ -45,6 +52,29 @@ class Token:
     id: int
     text: str
     finish_reason: str | None = None  # "stop" (stop token, not emitted as text) | "length" | None
+
+
+# Generated tokens the repetition penalty looks back over. Per occurrence, so a token repeated k times in a row is
+# pushed down by p**k and a loop ("vegan vegan vegan") breaks after a few tokens even when an over-fitted adapter
+# prefers it by a wide margin; a window (not the whole output) keeps common words ("the", ",") usable in long answers.
+# Prompt tokens are not penalized: an answer may quote its question.
+REPEAT_WINDOW = 64
+
+
+def penalize_repeats(logits: Tensor, recent: list[int], penalty: float) -> Tensor:
+    """Logits with each token in ``recent`` pushed down by ``penalty`` per occurrence (CTRL-style, compounding).
+
+    Args:
+        logits: next-token logits, shape (vocab,).
+        recent: recently generated token ids (duplicates count once each).
+        penalty: 1 = unchanged; > 1 discourages repeats.
+    """
+    if penalty == 1.0 or not recent:
+        return logits
+    vocab = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(recent, dtype=torch.long), minlength=vocab)[:vocab]
+    factor = torch.pow(torch.tensor(penalty, dtype=torch.float32), counts.float()).to(logits.dtype)
+    return torch.where(logits > 0, logits / factor, logits * factor)
 
 
 def _pick(logits: Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -93,11 +123,14 @@ def generate_ids(
         gen.manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed()))
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     cache = KVCache(model.cfg, len(prompt_ids) + cfg.max_new_tokens) if use_cache else None
+    out: list[int] = []
     with torch.inference_mode():
         step_in = ids
         for _ in range(cfg.max_new_tokens):
             logits = model.logits(step_in, cache=cache, adapter=adapter, last_only=True)[0]
+            logits = penalize_repeats(logits, out[-REPEAT_WINDOW:], cfg.repetition_penalty)
             nxt = _pick(logits, cfg, gen)
+            out.append(nxt)
             yield nxt
             if nxt in stops:
                 return

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 from lorad.server.engine.models import OWN, AdapterWeights, LoraConfig, load_model
-from lorad.server.engine.models.generate import SamplingConfig, generate, generate_ids
+from lorad.server.engine.models.generate import SamplingConfig, generate, generate_ids, penalize_repeats
 
 from tests.fixtures.tiny_hf import save_tiny_hf, write_tiny_gguf
 
@@ -84,8 +85,35 @@ def test_adapter_swap_without_reload(lm) -> None:
 
 
 def test_bad_sampling_config_lists_all_errors() -> None:
-    with pytest.raises(ValueError, match=r"max_new_tokens=0.*temperature=-1.*top_p=0"):
-        SamplingConfig(max_new_tokens=0, temperature=-1, top_p=0)
+    with pytest.raises(ValueError, match=r"max_new_tokens=0.*temperature=-1.*top_p=0.*repetition_penalty=0"):
+        SamplingConfig(max_new_tokens=0, temperature=-1, top_p=0, repetition_penalty=0)
+
+
+def test_repetition_penalty_compounds_per_occurrence() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    out = penalize_repeats(logits, [0, 1, 0], 2.0)
+    # token 0 twice: 2 / 2**2; token 1 once and negative: -1 * 2; the others untouched
+    assert out.tolist() == [0.5, -2.0, 0.5, 3.0]
+    assert penalize_repeats(logits, [0, 1], 1.0) is logits and penalize_repeats(logits, [], 2.0) is logits
+
+
+def _longest_run(ids: list[int]) -> int:
+    best = run = 1
+    for a, b in itertools.pairwise(ids):
+        run = run + 1 if a == b else 1
+        best = max(best, run)
+    return best
+
+
+def test_greedy_decoding_does_not_loop_on_one_token_with_a_penalty(lm) -> None:
+    # The random tiny model is a worst case: greedy decoding without a penalty repeats one token forever.
+    prompt = lm.tokenizer.encode("Hello world")
+    plain = list(generate_ids(lm.model, prompt, SamplingConfig(max_new_tokens=40)))
+    assert len(set(plain)) == 1, "precondition: the unpenalized model loops"
+    penalized = list(generate_ids(lm.model, prompt, SamplingConfig(max_new_tokens=40, repetition_penalty=1.1)))
+    assert _longest_run(penalized) <= 10 and len(set(penalized)) >= 4, penalized
+    # The penalty looks at generated tokens only: the first token (nothing generated yet) is unchanged.
+    assert penalized[0] == plain[0]
 
 
 @pytest.mark.slow
