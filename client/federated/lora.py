@@ -46,6 +46,7 @@ class FedLora:
     seed: int  # FFA-LoRA: A of every module is drawn from this seed
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(sorted(self.targets)))  # order carries no meaning
         problems = []
         if len(self.base_model_sha256) != 64:
             problems.append(f"base_model_sha256={self.base_model_sha256[:80]!r}: must be 64 hex digits")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -14,7 +15,9 @@ from lorad.client.federated.lora import (
     Arrays,
     FedLora,
     UpdateMismatchError,
+    b_key,
     check_update,
+    module_of,
     seeded_as,
     zero_bs,
 )
@@ -78,6 +81,9 @@ class LoraFedAvg(FedAvg):
         self.a = seeded_as(fed, shapes)  # FFA's frozen A; the naive baseline's starting A
         self.expected = {k: v.shape for k, v in self.initial_arrays().items()}
         self.rejected: list[tuple[int, int, str]] = []  # (round, node_id, reason)
+        self.round_seconds: dict[int, float] = {}  # wall time from sending to aggregating, s
+        self._started: dict[int, float] = {}
+        self._current: ArrayRecord | None = None  # the global arrays sent this round
 
     # -- the global state -----------------------------------------------------------------------------------------
     def initial_tensors(self) -> Arrays:
@@ -97,8 +103,9 @@ class LoraFedAvg(FedAvg):
 
     def plan(self) -> ConfigRecord:
         """The round's settings devices must follow and echo back."""
+        fan_in = [self.shapes[module_of(k)][1] for k in sorted(b_key(m) for m in self.shapes)]
         return ConfigRecord({"mode": self.mode, "seed": self.fed.seed, "rank": self.fed.rank,
-                             "alpha": self.fed.alpha, "targets": sorted(self.fed.targets),
+                             "alpha": self.fed.alpha, "targets": sorted(self.fed.targets), "in_features": fan_in,
                              "base_model_sha256": self.fed.base_model_sha256, **self.train_config})  # fmt: skip
 
     # -- Flower hooks ---------------------------------------------------------------------------------------------
@@ -106,6 +113,8 @@ class LoraFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """FedAvg's sampling, with the LoRA plan in the config and the bytes sent recorded per device."""
+        self._started[server_round] = time.monotonic()
+        self._current = arrays
         if server_round == 1 and self.on_round is not None:
             self.on_round(0, self.full_tensors(arrays))
         for k, val in self.plan().items():
@@ -154,9 +163,13 @@ class LoraFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Screens replies (declined, failed, mismatched are left out), then FedAvg's example-weighted mean."""
         accepted = self._screen(server_round, replies)
+        if server_round in self._started:
+            self.round_seconds[server_round] = round(time.monotonic() - self._started[server_round], 3)
         log.info("round_screened round=%d accepted=%d summary=%s", server_round, len(accepted),
                  self.ledger.round_summary(server_round))  # fmt: skip
-        if not accepted:
+        if not accepted:  # the global adapter stays; its round file is still written
+            if self.on_round is not None and self._current is not None:
+                self.on_round(server_round, self.full_tensors(self._current))
             return None, None
         arrays, metrics = super().aggregate_train(server_round, accepted)
         if arrays is not None:

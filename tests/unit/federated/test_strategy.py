@@ -165,3 +165,15 @@ def test_peft_tar_round_trips_the_tensors(shapes) -> None:
     config, back = read_peft_tar(peft_tar(FED, t))
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["target_modules"] == ["down_proj", "q_proj"]
     assert set(back) == set(t) and all(np.array_equal(back[k], t[k]) for k in t)
+
+
+def test_device_rebuilds_the_servers_adapter_from_the_seed(shapes) -> None:
+    from lorad.client.federated.device import RoundPlan, global_tensors
+
+    s = LoraFedAvg(FED, shapes, train_config={"local-steps": 3})
+    plan = RoundPlan.from_config(dict(s.plan()), run_id=1)
+    assert plan.steps == 3 and plan.fed == FED
+    bs = {k: v.numpy() for k, v in s.initial_arrays().items()}
+    full = global_tensors(plan, bs)
+    want = s.initial_tensors()
+    assert set(full) == set(want) and all(np.array_equal(full[k], want[k]) for k in want)
