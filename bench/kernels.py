@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from lorad.kernels import make_frozen_linear
 
 # (name, out, in, bias, count per model) for one decoder layer, plus the lm_head; count = layers for block linears.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from lorad.kernels._swap import frozen_sites, swap_all
 from lorad.kernels.ort_cpu import OrtCpuFrozenLinear
 

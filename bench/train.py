@@ -193,11 +193,12 @@ def _summary(
 
 # -- workers -----------------------------------------------------------------------------------------------------
 def worker_lorad(system: str, a: argparse.Namespace) -> dict:
+    from safetensors.torch import load_file
+
     from lorad.server.engine.models import LoraConfig
     from lorad.server.engine.models.loader import load_model
     from lorad.server.engine.training.recipe import resolve_precision, seed_everything
     from lorad.server.engine.training.trainer import Trainer
-    from safetensors.torch import load_file
 
     backend, precision, clip_mode, overlap = ALL_LORAD[system]
     if backend == "auto":
@@ -286,11 +287,12 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     import peft
     import torch
     import transformers as tf
+    from safetensors.torch import load_file
+
     from lorad.server.engine.models.loader import resolve
     from lorad.server.engine.training.packing import BatchStream, eval_batches
     from lorad.server.engine.training.recipe import seed_everything
     from lorad.server.engine.training.schedule import lr_at
-    from safetensors.torch import load_file
 
     cfg = _train_cfg(a.steps, "torch", "fp32")
     seed_everything(SEED)

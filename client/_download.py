@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import grpc
+
 from lorad.client.errors import IntegrityError, InvalidArgument, LoradError, Unavailable
 from lorad.client.retry import RetryPolicy
 from lorad.client.types import AdapterFormat, DownloadResult

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+
 from lorad.client import _convert as conv
 from lorad.client import _requests as rq
 from lorad.client import config as cfg

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from lorad.kernels._onnx import init, model_bytes, value
 from onnx import TensorProto, helper
+
+from lorad.kernels._onnx import init, model_bytes, value
 
 # Activation grids after per-call, per-row rescaling to [-1, 1] (notes §2: static scales + per-call rescale).
 ACT_GRID = {16: (np.uint16, 32768, 1.0 / 32767), 8: (np.uint8, 128, 1.0 / 127)}

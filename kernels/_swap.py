@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from torch import nn
+
 from lorad.kernels.frozen import FrozenLinear
 from lorad.kernels.lora import LoRALinear
-from torch import nn
 
 Site = tuple[nn.Module, str]  # (module, attribute name) that references one frozen linear
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from lorad.kernels.frozen import BACKENDS
 
 log = structlog.get_logger(__name__)

@@ -6,9 +6,10 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
 from lorad.kernels.frozen import FrozenLinear
 from lorad.kernels.queue import NpuQueue, queue_for
-from torch import Tensor, nn
 
 
 def _flat(t: Tensor, features: int) -> Tensor:

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import torch
-from lorad.kernels._onnx import MS_DOMAIN, init, model_bytes, value
-from lorad.kernels._quant import check_precision, quantize_weight
 from onnx import helper
 from torch import Tensor
+
+from lorad.kernels._onnx import MS_DOMAIN, init, model_bytes, value
+from lorad.kernels._quant import check_precision, quantize_weight
 
 SUPPORTED = ("fp32", "w8a8")
 

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from torch import Tensor, nn
+
 from lorad.kernels._swap import frozen_sites, set_frozen
 from lorad.kernels.frozen import make_frozen_linear
 from lorad.kernels.plan import PLANNER_VERSION, PrecisionPlan
 from lorad.kernels.planner import plan_precision
-from torch import Tensor, nn
 
 log = structlog.get_logger(__name__)
 

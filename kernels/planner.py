@@ -14,12 +14,13 @@ from typing import Any
 
 import structlog
 import torch
+from torch import Tensor, nn
+
 from lorad.kernels import _plan_fast as fast
 from lorad.kernels._swap import Site, frozen_sites, set_frozen
 from lorad.kernels.frozen import make_frozen_linear
 from lorad.kernels.lora import LoRALinear
 from lorad.kernels.plan import PLAN_VERSION, PLANNER_VERSION, LayerPlan, Measurement, PrecisionPlan, weight_bytes
-from torch import Tensor, nn
 
 log = structlog.get_logger(__name__)
 

@@ -21,10 +21,11 @@ import numpy as np
 import onnxruntime as ort
 import structlog
 import torch
+from torch import Tensor
+
 from lorad.kernels._qnn_graphs import audit_graph, fp16_dynamic_weight, fp16_static_weight, qdq_static
 from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, quantize_weight
 from lorad.kernels.detect import _soc, qnn_ep_devices
-from torch import Tensor
 
 log = structlog.get_logger(__name__)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_weight
 from torch import Tensor
+
+from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_weight
 
 SUPPORTED = ("fp32", "fp16", "w8a16", "w8a8", "w4a16")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+
 from lorad.server.domain import AdapterRec
 from lorad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from lorad.server.jobs.files import remove_tree, tree_size

@@ -16,6 +16,7 @@ import structlog
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from lorad.server.config import Config, ConfigError, load_config
 from lorad.server.device.probes import Probe
 from lorad.server.jobs import SessionFactory

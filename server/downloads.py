@@ -8,11 +8,12 @@ import tarfile
 import threading
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from lorad.server.domain import AdapterRec
 from lorad.server.errors import FailedPrecondition
 from lorad.server.jobs.files import remove_tree
 from lorad.server.modelhost import ModelHost
-from safetensors import SafetensorError
 
 CHUNK = 1024 * 1024  # DownloadAdapter chunks are at most 1 MiB
 _locks: dict[str, threading.Lock] = {}

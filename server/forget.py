@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import structlog
+
 from lorad.server.jobs.files import remove_tree
 from lorad.server.services import Services
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from lorad.server.domain import AdapterRec, Message
 from lorad.server.errors import FailedPrecondition, InvalidArgument
 from lorad.server.modelhost import ModelHost
@@ -81,8 +82,9 @@ class Generator:
         self._adapters: dict[str, Any] = {}
 
     def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
-        from lorad.server.engine.adapters import load_adapter
         from safetensors import SafetensorError
+
+        from lorad.server.engine.adapters import load_adapter
 
         if rec.adapter_id not in self._adapters:
             try:
@@ -160,6 +162,7 @@ def compose(weights: Sequence[Any]) -> Any:
     B_cat·A_cat = Σ sᵢ·Bᵢ·Aᵢ exactly; the result's scale is 1. A module only some adapters target gets only theirs.
     """
     import torch
+
     from lorad.server.engine.models.model import AdapterWeights
 
     mods: dict[str, tuple[list[Any], list[Any]]] = {}

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from lorad.server.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
 from lorad.server.modelhost import ModelEntry
 
 if TYPE_CHECKING:

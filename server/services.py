@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+
 from lorad.server.auth import Authenticator, ensure_owner_token
 from lorad.server.config import Config
 from lorad.server.device.conditions import Verdict, evaluate

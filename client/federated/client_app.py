@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+
 from lorad.client.federated.device import NodeSettings, RoundPlan, RoundResult, finite, run_round
 from lorad.client.federated.strategy import META, NUM_EXAMPLES
 

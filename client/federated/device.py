@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lorad.client as lc
 import numpy as np
+
+import lorad.client as lc
 from lorad.client.federated.lora import (
     Arrays,
     FedLora,

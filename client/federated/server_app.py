@@ -16,6 +16,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, Strategy
+
 from lorad.client.federated.ledger import Ledger
 from lorad.client.federated.lora import Arrays, FedLora, module_shapes, peft_tar
 from lorad.client.federated.strategy import LoraFedAvg

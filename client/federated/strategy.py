@@ -10,6 +10,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+
 from lorad.client.federated.ledger import Ledger, payload_bytes
 from lorad.client.federated.lora import (
     Arrays,

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Callable
 
 import structlog
+
 from lorad.server.device.probes import Probe, Readings
 
 log = structlog.get_logger(__name__)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from lorad.server.domain import DataSummary, Phase, Progress, SampleBody
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcome, SessionRequest, SessionSink
 from lorad.server.modelhost import ModelHost

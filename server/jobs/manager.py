@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import structlog
+
 from lorad.server.domain import ACTIVE_STATES, Blocked, CheckpointRec, Job, JobEvent, JobSpec, JobState
 from lorad.server.errors import FailedPrecondition, NotFound, ResourceExhausted
 from lorad.server.jobs.files import Layout, remove_tree

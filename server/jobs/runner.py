@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.probes import Readings
 from lorad.server.domain import (

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
+
 from lorad.server import validation as v
 from lorad.server.domain import JobState, Message
 from lorad.server.downloads import CHUNK, adapter_file

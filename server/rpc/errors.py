@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from lorad.server import errors as e
 
 # Checked in order; the first matching class wins.

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import structlog
 from grpc import aio
+
 from lorad.server.auth import Authenticator, Principal
 from lorad.server.errors import InvalidArgument, LoradError, ResourceExhausted, Unauthenticated, Unavailable
 from lorad.server.rpc.errors import status_for, trailing_metadata

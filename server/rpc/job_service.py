@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from grpc import aio
+
 from lorad.server import validation as v
 from lorad.server.domain import JobSpec
 from lorad.server.errors import InvalidArgument, NotFound, Unauthenticated

@@ -16,6 +16,7 @@ import structlog
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
+
 from lorad.server.domain import Job, JobSpec, Schedule, Window
 from lorad.server.errors import LoradError
 from lorad.server.jobs.manager import JobManager

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import structlog
+
 from lorad.server.store.migrations import MIGRATIONS
 
 log = structlog.get_logger(__name__)

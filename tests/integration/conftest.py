@@ -16,11 +16,11 @@ from typing import Any
 
 import grpc
 import pytest
+
 from lorad.server.config import build_config
 from lorad.v1 import (
     apps_pb2,
 )
-
 from tests.integration.helpers import GOOD, Stubs
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+
 from lorad.v1 import (
     adapters_pb2_grpc,
     apps_pb2_grpc,

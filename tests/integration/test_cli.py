@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lorad.v1 import jobs_pb2
 
+from lorad.v1 import jobs_pb2
 from tests.fixtures.fake_daemon import OWNER_TOKEN, FakeDaemon
 
 pytestmark = pytest.mark.integration

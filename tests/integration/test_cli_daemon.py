@@ -83,7 +83,6 @@ def test_cli_chat_tries_an_adapter_line_by_line_and_generate_takes_sampling_flag
     make_daemon: Any, tmp_path: Path
 ) -> None:
     from lorad.v1 import jobs_pb2
-
     from tests.integration.helpers import FINAL, Stubs, append, create_job, wait_state
 
     h = make_daemon()

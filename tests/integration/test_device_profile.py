@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from lorad.server.device.profile import resolve_profile
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lorad.client as lc
 import pytest
 
+import lorad.client as lc
 from tests.integration.conftest import ServedDaemon, served_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]

@@ -8,8 +8,9 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import lorad.client as lc
 import pytest
+
+import lorad.client as lc
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ import stat
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lorad.v1 import apps_pb2, data_pb2, device_pb2
 
+from lorad.v1 import apps_pb2, data_pb2, device_pb2
 from tests.integration.helpers import code_of
 
 pytestmark = pytest.mark.integration

@@ -6,8 +6,8 @@ import time
 from datetime import UTC
 
 import pytest
-from lorad.v1 import common_pb2, jobs_pb2
 
+from lorad.v1 import common_pb2, jobs_pb2
 from tests.integration.helpers import FINAL, GOOD_PROBE, append, create_job, get_job, tiny_config, wait_for, wait_state
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorad.v1 import jobs_pb2
 
+from lorad.v1 import jobs_pb2
 from tests.integration.helpers import GOOD_PROBE, append, create_job, wait_for, wait_state
 
 pytestmark = pytest.mark.integration
@@ -48,10 +48,10 @@ def _config(tmp: Path, model: Path, **sections: dict[str, Any]) -> dict[str, Any
 
 def test_wake_lock_is_held_only_while_a_job_trains_and_released_at_shutdown(tmp_path: Path, tiny_llama: Path) -> None:
     import grpc
+
     from lorad.server.config import build_config
     from lorad.server.daemon import Daemon
     from lorad.v1 import apps_pb2
-
     from tests.integration.helpers import Stubs
 
     script, log = _recorder(tmp_path)

@@ -9,8 +9,8 @@ import math
 import tarfile
 
 import pytest
-from lorad.v1 import adapters_pb2, inference_pb2, jobs_pb2
 
+from lorad.v1 import adapters_pb2, inference_pb2, jobs_pb2
 from tests.integration.helpers import FINAL, append, create_job
 
 pytestmark = pytest.mark.integration

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import lorad.client as lc
 import numpy as np
 import pytest
+
+import lorad.client as lc
 from lorad.client.federated.lora import FedLora, b_key, module_shapes, peft_tar, read_peft_tar, seeded_as
 from lorad.v1 import adapters_pb2
-
 from tests.integration.helpers import append, code_of, corpus
 
 FAST = lc.RetryPolicy(max_attempts=2, initial_backoff_seconds=0.01, max_backoff_seconds=0.05)
@@ -115,6 +115,7 @@ def test_import_refuses_another_base_bad_digest_and_foreign_members(make_daemon:
 
 def test_compose_adds_the_updates() -> None:
     import torch
+
     from lorad.server.engine.models.model import AdapterWeights
     from lorad.server.generation import compose
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from lorad.v1 import jobs_pb2
 
+from lorad.v1 import jobs_pb2
 from tests.integration.helpers import FINAL, append, chat, create_job, get_job, wait_for, wait_state
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lorad.v1 import apps_pb2, jobs_pb2
 
+from lorad.v1 import apps_pb2, jobs_pb2
 from tests.integration.helpers import FINAL, GOOD, Stubs, append, create_job, get_job, wait_for, wait_state
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from lorad.server.jobs.session import SessionOutcome, SessionSink
 from lorad.v1 import jobs_pb2
-
 from tests.integration.helpers import append, create_job, wait_for
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import logging
 import time
 
 import pytest
-from lorad.v1 import adapters_pb2, jobs_pb2
 
+from lorad.v1 import adapters_pb2, jobs_pb2
 from tests.integration.helpers import append, create_job, wait_state
 
 pytestmark = pytest.mark.integration

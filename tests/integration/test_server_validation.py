@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from lorad.v1 import adapters_pb2, common_pb2, data_pb2, jobs_pb2
 
+from lorad.v1 import adapters_pb2, common_pb2, data_pb2, jobs_pb2
 from tests.integration.helpers import FINAL, append, chat, code_of, corpus, create_job, tiny_config, wait_state
 
 pytestmark = pytest.mark.integration

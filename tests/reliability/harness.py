@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from lorad.v1 import (
     adapters_pb2_grpc,
     apps_pb2,

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
+
 from lorad.v1 import adapters_pb2, apps_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
 
 MODULES = (apps_pb2, data_pb2, jobs_pb2, adapters_pb2, inference_pb2, device_pb2)

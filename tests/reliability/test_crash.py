@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from lorad.v1 import adapters_pb2, jobs_pb2
 
+from lorad.v1 import adapters_pb2, jobs_pb2
 from tests.reliability.harness import (
     FINAL,
     SubprocessDaemon,

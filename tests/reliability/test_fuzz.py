@@ -11,8 +11,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lorad.v1 import common_pb2, jobs_pb2
 
+from lorad.v1 import common_pb2, jobs_pb2
 from tests.reliability.harness import BAD, SubprocessDaemon, append, corpus, create_job, diff_snapshots, store_snapshot
 from tests.reliability.rpcs import DOCUMENTED, Rpc, all_rpcs, call_raw
 

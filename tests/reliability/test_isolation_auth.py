@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
 
+from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
 from tests.reliability.harness import (
     FINAL,
     SubprocessDaemon,

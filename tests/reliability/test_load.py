@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lorad.v1 import data_pb2, device_pb2, jobs_pb2
 
+from lorad.v1 import data_pb2, device_pb2, jobs_pb2
 from tests.reliability.harness import SubprocessDaemon, append, chat, corpus, create_job, get_job, wait_state
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]

@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import structlog
+
 from lorad.server.engine.adapters.peft_io import Adapter
 from lorad.server.engine.models.atomic import fsync_dir
 from lorad.server.engine.models.config import ModelConfig

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import structlog
 import torch
+from safetensors.torch import save_file
+
 from lorad.server.engine.adapters.peft_io import Adapter
 from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
 from lorad.server.engine.models.hf_folder import read_weights
-from safetensors.torch import save_file
 
 log = structlog.get_logger(__name__)
 

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
 from lorad.server.engine.adapters.metadata import METADATA_FILE, AdapterMetadata
 from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig
 from lorad.server.engine.models.model import AdapterWeights, CausalLM
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import Tensor
 
 log = structlog.get_logger(__name__)
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import structlog
 import torch
+from torch import Tensor
+
 from lorad.kernels import LoRALinear, make_frozen_linear
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.model import MLP, Attention, Block, CausalLM, Linear
-from torch import Tensor
 
 log = structlog.get_logger(__name__)
 

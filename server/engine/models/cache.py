@@ -11,10 +11,11 @@ from pathlib import Path
 
 import structlog
 import torch
-from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
-from lorad.server.engine.models.config import ModelConfig
 from safetensors.torch import save_file
 from torch import Tensor
+
+from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
+from lorad.server.engine.models.config import ModelConfig
 
 log = structlog.get_logger(__name__)
 

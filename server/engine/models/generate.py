@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
+from torch import Tensor
+
 from lorad.server.engine.models.kv_cache import KVCache
 from lorad.server.engine.models.model import AdapterWeights, CausalLM
 from lorad.server.engine.models.tokenizer import ChatTokenizer
-from torch import Tensor
 
 log = structlog.get_logger(__name__)
 

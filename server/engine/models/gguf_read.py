@@ -12,9 +12,10 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from lorad.server.engine.models.config import ModelConfig
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from torch import Tensor
+
+from lorad.server.engine.models.config import ModelConfig
 
 log = structlog.get_logger(__name__)
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from lorad.server.engine.models.config import ModelConfig
 from torch import Tensor
+
+from lorad.server.engine.models.config import ModelConfig
 
 
 def is_hf_folder(path: Path) -> bool:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from lorad.server.engine.models.config import ModelConfig
 from torch import Tensor
+
+from lorad.server.engine.models.config import ModelConfig
 
 
 class KVCache:

@@ -6,8 +6,9 @@ import math
 from typing import Any, Protocol
 
 import torch
-from lorad.server.engine.models.config import ModelConfig
 from torch import Tensor
+
+from lorad.server.engine.models.config import ModelConfig
 
 
 class FrozenMatmul(Protocol):

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from tokenizers import Tokenizer
+
 from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.cache import (
     CheckpointDir,
@@ -23,7 +25,6 @@ from lorad.server.engine.models.gguf_read import read_gguf
 from lorad.server.engine.models.hf_folder import is_hf_folder, read_config, read_weights
 from lorad.server.engine.models.model import CausalLM
 from lorad.server.engine.models.tokenizer import ChatTokenizer
-from tokenizers import Tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from lorad.kernels import LoRALinear
 from lorad.kernels.torch_backend import TorchFrozenLinear
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
 from lorad.server.engine.models.layers import apply_rope, linear_cross_entropy, rms_norm, rope_inv_freq, swiglu
-from torch import Tensor, nn
 
 
 @dataclass(frozen=True)

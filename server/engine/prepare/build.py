@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 import torch
+from torch import Tensor
+
 from lorad.server.engine.models.config import TARGET_TO_HF, ModelConfig
 from lorad.server.engine.prepare.manifest import (
     CONTEXTS,
@@ -28,7 +30,6 @@ from lorad.server.engine.prepare.manifest import (
     write_manifest,
 )
 from lorad.server.engine.prepare.socs import SocTarget
-from torch import Tensor
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +140,9 @@ def fresh_session_pool() -> None:
 
 def versions() -> dict[str, str]:
     """Versions that a context binary depends on (the kernels' cache key includes onnxruntime's)."""
-    import lorad
     import onnxruntime as ort
+
+    import lorad
 
     return {
         "lorad_version": lorad.__version__,

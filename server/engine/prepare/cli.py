@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import structlog
+
 from lorad.server.engine.prepare.manifest import BundleError
 from lorad.server.engine.prepare.socs import SOCS, resolve_soc
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
+
 from lorad.server.engine.prepare.build import DIRECTIONS, fresh_session_pool, frozen_linears, targeting, versions
 from lorad.server.engine.prepare.manifest import (
     CONTEXTS,

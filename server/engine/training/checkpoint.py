@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from lorad.server.engine.models.atomic import atomic_write as _atomic_write
 
 log = structlog.get_logger(__name__)

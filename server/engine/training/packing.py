@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+
 from lorad.server.engine.training.data import TokenizedSample
 
 IGNORE = -100  # label value the loss skips (Hugging Face convention)

@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare

@@ -11,13 +11,14 @@ from typing import Any, Protocol
 
 import structlog
 import torch
+from torch import nn
+
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import PreparedData
 from lorad.server.engine.training.optim import LayerwiseAdamW, StepStats
 from lorad.server.engine.training.packing import BatchStream, eval_batches, target_count
 from lorad.server.engine.training.schedule import lr_at
-from torch import nn
 
 log = structlog.get_logger(__name__)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from lorad.server.engine.adapters import export_gguf_lora, export_merged
 from lorad.server.engine.models.gguf_read import unpermute_qk
-
 from tests.fixtures.tiny_adapter import Trained
 
 IDS = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(2))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.adapters import (
     AdapterBaseMismatchError,
     AdapterMetadata,
@@ -15,7 +16,6 @@ from lorad.server.engine.adapters import (
     save_adapter,
 )
 from lorad.server.engine.models import LoraConfig, load_model
-
 from tests.fixtures.tiny_adapter import Trained, make_trained
 
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(9))

@@ -1,6 +1,7 @@
 """`lorad serve` and `lorad prepare` hand every argument, options included, to the daemon-side parser."""
 
 import pytest
+
 from lorad.client.cli import _split_passthrough, main
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import lorad.client as lc
 import pytest
-from lorad.v1 import jobs_pb2
 
+import lorad.client as lc
+from lorad.v1 import jobs_pb2
 from tests.fixtures.fake_daemon import FAST_RETRY, OWNER_TOKEN, FakeDaemon
 
 

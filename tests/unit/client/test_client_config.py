@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from lorad.client import config as cfg
 from lorad.client.errors import ConfigurationError
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from lorad.client import _convert as conv
 from lorad.client import types as t
 from lorad.client.retry import RetryPolicy

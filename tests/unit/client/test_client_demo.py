@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from lorad.client import types as t
 from lorad.client.demo import daemon as demo_daemon
 from lorad.client.demo import persona

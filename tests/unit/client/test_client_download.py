@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import lorad.client as lc
 import pytest
 
+import lorad.client as lc
 from tests.fixtures.fake_daemon import CHUNK, FAST_RETRY, FakeDaemon
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import lorad.client as lc
 import pytest
-from lorad.v1 import jobs_pb2
 
+import lorad.client as lc
+from lorad.v1 import jobs_pb2
 from tests.fixtures.fake_daemon import FAST_RETRY, OWNER_TOKEN, FakeDaemon
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.prepare import (
     BundleError,
     BundleMismatchError,
@@ -15,7 +16,6 @@ from lorad.server.engine.prepare import (
     resolve_soc,
 )
 from lorad.server.engine.prepare.manifest import GraphEntry, Manifest, ResolvedPlan, sha256_file, write_manifest
-
 from tests.fixtures.tiny_hf import save_tiny_hf
 
 

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, MetricRecord, RecordDict
+
 from lorad.client.federated.ledger import Ledger
 from lorad.client.federated.lora import FedLora, a_key, b_key, delta_w, module_shapes, seeded_a, seeded_as
 from lorad.client.federated.strategy import META, LoraFedAvg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lorad.kernels import BACKENDS, PRECISIONS, make_frozen_linear, memory_report
 
 # Relative-norm tolerance vs exact fp32 per precision (notes/qnn_htp.md §2 measured 3.6e-4 fp16, 7.8e-3 w8a16,

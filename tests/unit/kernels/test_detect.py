@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 
 import pytest
+
 from lorad.kernels import BACKENDS, BackendInfo, detect_backend
 
 

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+
 from lorad.kernels import FrozenMatmul, LoRALinear, NpuQueue, make_frozen_linear
 
 

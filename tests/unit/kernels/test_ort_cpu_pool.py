@@ -3,6 +3,7 @@
 import gc
 
 import torch
+
 from lorad.kernels import make_frozen_linear, ort_cpu
 
 

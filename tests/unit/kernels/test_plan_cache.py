@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lorad.kernels.plan_cache import cache_path, load_or_plan, plan_key
 from structlog.testing import capture_logs
 
+from lorad.kernels.plan_cache import cache_path, load_or_plan, plan_key
 from tests.unit.kernels.test_planner import _setup
 
 

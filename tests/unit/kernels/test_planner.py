@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
-from lorad.kernels import LoRALinear, PrecisionPlan, make_frozen_linear, plan_precision
 from torch import nn
+
+from lorad.kernels import LoRALinear, PrecisionPlan, make_frozen_linear, plan_precision
 
 INT = ("w8a16", "w8a8", "w4a16")
 

@@ -9,11 +9,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper
+
 from lorad.kernels import make_frozen_linear
 from lorad.kernels._onnx import init, model_bytes, value
 from lorad.kernels._qnn_graphs import audit_graph, fp16_dynamic_weight, fp16_static_weight, qdq_static
 from lorad.kernels._quant import quantize_weight
-from onnx import TensorProto, helper
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lorad.kernels import LoRALinear, make_frozen_linear
 from torch import Tensor, nn
 
+from lorad.kernels import LoRALinear, make_frozen_linear
 from tests.fixtures.tiny_reference import PlainLoRA, TinyCausalLM, TinyConfig, lm_loss, random_weights
 
 RANK, ALPHA = 4, 8.0

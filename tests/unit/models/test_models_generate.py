@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.models import OWN, AdapterWeights, LoraConfig, load_model
 from lorad.server.engine.models.generate import SamplingConfig, generate, generate_ids, penalize_repeats
-
 from tests.fixtures.tiny_hf import save_tiny_hf, write_tiny_gguf
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
+
 from lorad.server.engine.models.cache import read_manifest
 from lorad.server.engine.models.gguf_read import read_gguf
 from lorad.server.engine.models.loader import load_model, resolve
-from tokenizers import Tokenizer
-
 from tests.fixtures.tiny_hf import CORPUS, save_tiny_hf, write_tiny_gguf
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.config import LoraConfig
 from lorad.server.engine.models.hf_folder import read_config, read_weights
-
 from tests.fixtures.tiny_hf import VOCAB
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from lorad.server.engine.models.layers import _RMSNorm, _SwiGLU, linear_cross_entropy
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.config import LoraConfig
 from lorad.server.engine.models.hf_folder import read_config, read_weights

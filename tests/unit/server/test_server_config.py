@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from lorad.server.config import Config, ConfigError, build_config, default_data_dir, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "lorad.example.toml"

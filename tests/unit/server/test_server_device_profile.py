@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from lorad.server.config import ConfigError, build_config
 from lorad.server.device.conditions import evaluate
 from lorad.server.device.probes import Readings

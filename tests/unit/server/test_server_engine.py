@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from lorad.server.domain import (
     DataSummary,
     JobSpec,
@@ -20,7 +21,6 @@ from lorad.server.domain import (
 from lorad.server.jobs.engine import EngineSession
 from lorad.server.jobs.session import SessionRequest
 from lorad.server.modelhost import ModelHost
-
 from tests.fixtures.tiny_hf import save_tiny_hf
 
 

@@ -5,6 +5,7 @@ import json
 import logging
 
 import structlog
+
 from lorad.server import logs
 
 

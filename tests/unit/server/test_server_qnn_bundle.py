@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.kernels import make_frozen_linear
 from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.config import LoraConfig
 from lorad.server.engine.models.hf_folder import read_config, read_weights
 from lorad.server.engine.models.model import Linear
 from lorad.server.qnn_bundle import assemble
-
 from tests.fixtures.tiny_hf import save_tiny_hf
 
 

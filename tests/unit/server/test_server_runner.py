@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from lorad.server.device.probes import Readings
 from lorad.server.domain import Blocked, EventKind, Job, JobSpec, JobState, Quota, Requirements, TrainingParams
 from lorad.server.jobs import EventHub, Layout, Runner

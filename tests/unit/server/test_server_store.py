@@ -6,6 +6,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+
 from lorad.server.auth import Authenticator, ensure_owner_token, hash_token
 from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody, TrainingParams
 from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
-
 from tests.fixtures.tiny_lm import make_trainer
 
 REPO = Path(__file__).resolve().parents[3]  # subprocesses import the `tests` package from here

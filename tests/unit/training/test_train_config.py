@@ -1,6 +1,7 @@
 """TrainConfig validation: every bad value is named, all at once."""
 
 import pytest
+
 from lorad.server.engine.training.config import ConfigError, TrainConfig
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+
 from lorad.server.engine.training.data import ChatSample, DataError, Message, TextSample, is_eval, prepare, sample_hash
 from lorad.server.engine.training.packing import IGNORE, BatchStream, eval_batches, pack, target_count
-
 from tests.fixtures.tiny_lm import EOS, IM_END, CharTokenizer, corpus
 
 TOK = CharTokenizer()

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.optim import LayerwiseAdamW
-
 from tests.fixtures.tiny_lm import TinyLM, make_trainer
 
 KW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}

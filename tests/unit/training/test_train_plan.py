@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from lorad.kernels import PrecisionPlan, plan_cache
 from lorad.server.engine.models import build_model
 from lorad.server.engine.training import recipe
 from lorad.server.engine.training.checkpoint import CheckpointError
 from lorad.server.engine.training.config import ConfigError, TrainConfig
 from lorad.server.engine.training.precision import PLAN_FILE
-from safetensors.torch import save_file
-
 from tests.fixtures.tiny_lm import CharTokenizer
 from tests.unit.training.test_train_recipe import CFG, MCFG, SAMPLES, _weights
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from lorad.server.engine.models import ModelConfig, build_model
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.recipe import run_recipe
-from safetensors.torch import load_file
-
 from tests.fixtures.tiny_lm import VOCAB, CharTokenizer, corpus
 
 MCFG = ModelConfig(

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from lorad.server.engine.training.schedule import lr_at
 
 

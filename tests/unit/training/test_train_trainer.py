@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.trainer import Progress
-
 from tests.fixtures.tiny_lm import make_trainer
 
 CFG = TrainConfig(

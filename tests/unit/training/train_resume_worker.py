@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 import torch
+
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
-
 from tests.fixtures.tiny_lm import make_trainer
 
 CFG = TrainConfig(
