@@ -236,10 +236,14 @@ def status(args: argparse.Namespace) -> int:
     with make_client(args) as c:
         s = c.device_status()
         job = c.get_job(s.current_job_id) if s.current_job_id else None
+    from lorad.client.cli._federate import describe, joined
+
     if opt(args, "json"):
-        print_json({**to_jsonable(s), "current_job": to_jsonable(job)})
+        print_json({**to_jsonable(s), "current_job": to_jsonable(job), "federation": joined()})
     else:
         print_status(s, job)
+        for line in describe():
+            print(line)
     return EXIT_OK
 
 

@@ -64,8 +64,9 @@ def test_no_bare_top_level_modules_are_importable(tmp_path: Path) -> None:
 
 def test_sdk_import_pulls_in_no_compute_stack(tmp_path: Path) -> None:
     code = (
-        "import sys, lorad.client, lorad.v1.jobs_pb2_grpc; "
-        "bad = [m for m in ('torch', 'onnxruntime', 'numpy', 'lorad.server', 'lorad.kernels') if m in sys.modules]; "
+        "import sys, lorad.client, lorad.client.cli, lorad.v1.jobs_pb2_grpc; "
+        "bad = [m for m in ('torch', 'onnxruntime', 'numpy', 'flwr', 'lorad.server', 'lorad.kernels', "
+        "'lorad.client.federated') if m in sys.modules]; "
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
