@@ -242,8 +242,9 @@ def progress(m: jobs_pb2.JobProgress) -> t.JobProgress:
 def job_data(m: jobs_pb2.JobData) -> t.JobData:
     """Converts a job's data summary."""
     r = m.rejected
-    rejected = t.RejectedSamples(r.empty, r.too_long, r.no_assistant_turn, r.no_target_tokens, r.bad_role,
-                                 r.render_error, r.other)  # fmt: skip
+    rejected = t.RejectedSamples(
+        r.empty, r.too_long, r.no_assistant_turn, r.no_target_tokens, r.bad_role, r.render_error, r.other
+    )
     return t.JobData(m.total_samples, m.train_samples, m.eval_samples, m.train_tokens, rejected)
 
 

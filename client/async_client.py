@@ -412,9 +412,11 @@ class AsyncClient:
             InvalidArgument: not a loadable PEFT LoRA adapter, or a size/digest mismatch.
         """
         header = adapters_pb2.ImportAdapterHeader(
-            base_model=base_model, base_model_sha256=base_model_sha256, total_size_bytes=len(peft_tar),
+            base_model=base_model,
+            base_model_sha256=base_model_sha256,
+            total_size_bytes=len(peft_tar),
             sha256=hashlib.sha256(peft_tar).hexdigest(),
-        )  # fmt: skip
+        )
 
         async def messages() -> AsyncIterator[adapters_pb2.ImportAdapterRequest]:
             yield adapters_pb2.ImportAdapterRequest(header=header)
@@ -422,8 +424,9 @@ class AsyncClient:
                 yield adapters_pb2.ImportAdapterRequest(chunk=peft_tar[off : off + IMPORT_CHUNK])
 
         try:
-            resp = await self._adapters.ImportAdapter(messages(), metadata=self._metadata,
-                                                      timeout=self.settings.timeout_seconds)  # fmt: skip
+            resp = await self._adapters.ImportAdapter(
+                messages(), metadata=self._metadata, timeout=self.settings.timeout_seconds
+            )
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         return conv.adapter(resp.adapter)

@@ -85,8 +85,9 @@ class Upload:
         """
         self._f.close()
         if self.size != self.header.total_size_bytes:
-            raise InvalidArgument("chunk", f"{self.size} bytes received; header.total_size_bytes says "
-                                           f"{self.header.total_size_bytes}")  # fmt: skip
+            raise InvalidArgument(
+                "chunk", f"{self.size} bytes received; header.total_size_bytes says {self.header.total_size_bytes}"
+            )
         if self._h.hexdigest() != self.header.sha256:
             raise InvalidArgument("header.sha256", f"the received bytes hash to {self._h.hexdigest()[:16]}…")
 
@@ -134,8 +135,10 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
     entry = s.models.entry(h.base_model, field="header.base_model")
     ck = resolve(entry.source, s.models.cache_root)
     if h.base_model_sha256 != ck.model_hash:
-        raise FailedPrecondition(f"adapter is for base model {h.base_model_sha256[:16]}… but {entry.name} is "
-                                 f"{ck.model_hash[:16]}…; import it on a device with that base")  # fmt: skip
+        raise FailedPrecondition(
+            f"adapter is for base model {h.base_model_sha256[:16]}… but {entry.name} is "
+            f"{ck.model_hash[:16]}…; import it on a device with that base"
+        )
     adapter_id = new_id("adp")
     folder = s.layout.adapter_dir(app_id, adapter_id)
     peft = folder / "peft"
@@ -147,22 +150,44 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
             raise InvalidArgument("chunk", f"not a loadable PEFT LoRA adapter: {str(exc)[:200]}") from None
         m = adapter.metadata
         if m is not None and m.base_model_hash != ck.model_hash:
-            raise FailedPrecondition(f"lorad_metadata.json names base {m.base_model_hash[:16]}…, not "
-                                     f"{ck.model_hash[:16]}…")  # fmt: skip
+            raise FailedPrecondition(
+                f"lorad_metadata.json names base {m.base_model_hash[:16]}…, not {ck.model_hash[:16]}…"
+            )
         lora = adapter.lora
-        meta = AdapterMetadata(base_model_hash=ck.model_hash, tokenizer_hash=ck.tokenizer_hash, rank=lora.rank,
-                               alpha=lora.alpha, targets=tuple(lora.targets), backend="imported",
-                               base_model_source=str(entry.source or entry.name))  # fmt: skip
+        meta = AdapterMetadata(
+            base_model_hash=ck.model_hash,
+            tokenizer_hash=ck.tokenizer_hash,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            targets=tuple(lora.targets),
+            backend="imported",
+            base_model_source=str(entry.source or entry.name),
+        )
         from lorad.server.engine.adapters.metadata import METADATA_FILE
 
         (peft / METADATA_FILE).write_text(json.dumps(meta.to_json(), indent=2))
         rec = AdapterRec(
-            adapter_id=adapter_id, app_id=app_id, job_id="", base_model=entry.name, base_model_sha256=ck.model_hash,
-            tokenizer_sha256=ck.tokenizer_hash, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-            target_modules=tuple(TARGET_TO_HF[t][1] for t in lora.targets), steps=0,
-            eval_loss_before=float("nan"), eval_loss_after=float("nan"), train_loss=float("nan"), precision_plan=(),
-            data_until_ms=0, sample_count=0, created_at_ms=now_ms(), size_bytes=tree_size(peft), path=str(peft),
-        )  # fmt: skip
+            adapter_id=adapter_id,
+            app_id=app_id,
+            job_id="",
+            base_model=entry.name,
+            base_model_sha256=ck.model_hash,
+            tokenizer_sha256=ck.tokenizer_hash,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=tuple(TARGET_TO_HF[t][1] for t in lora.targets),
+            steps=0,
+            eval_loss_before=float("nan"),
+            eval_loss_after=float("nan"),
+            train_loss=float("nan"),
+            precision_plan=(),
+            data_until_ms=0,
+            sample_count=0,
+            created_at_ms=now_ms(),
+            size_bytes=tree_size(peft),
+            path=str(peft),
+        )
         s.adapters.add(rec)
     except BaseException:
         remove_tree(folder)

@@ -47,9 +47,15 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAMES = tuple(
     m.DESCRIPTOR.services_by_name[n].full_name
-    for m, n in ((apps_pb2, "AppService"), (data_pb2, "DataService"), (jobs_pb2, "JobService"),
-                 (adapters_pb2, "AdapterService"), (inference_pb2, "InferenceService"), (device_pb2, "DeviceService"))
-)  # fmt: skip
+    for m, n in (
+        (apps_pb2, "AppService"),
+        (data_pb2, "DataService"),
+        (jobs_pb2, "JobService"),
+        (adapters_pb2, "AdapterService"),
+        (inference_pb2, "InferenceService"),
+        (device_pb2, "DeviceService"),
+    )
+)
 
 
 class Daemon:
@@ -77,16 +83,23 @@ class Daemon:
         await asyncio.to_thread(s.runner.start)
         s.monitor.listeners.append(s.runner.reconcile)
         s.monitor.start()
-        self.scheduler = WindowScheduler(f"sqlite:///{self.cfg.data_dir / 'scheduler.sqlite'}", s.manager,
-                                         s.schedules, self.cfg.scheduler.misfire_grace_hours,
-                                         self.cfg.scheduler.timezone)  # fmt: skip
+        self.scheduler = WindowScheduler(
+            f"sqlite:///{self.cfg.data_dir / 'scheduler.sqlite'}",
+            s.manager,
+            s.schedules,
+            self.cfg.scheduler.misfire_grace_hours,
+            self.cfg.scheduler.timezone,
+        )
         self.scheduler.start()
         limit = self.cfg.server.max_message_bytes
         server = self.server = aio.server(
             interceptors=[AuthInterceptor(s.auth, lambda: self.serving)],
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                     ("grpc.so_reuseport", 0)],
-        )  # fmt: skip
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
         apps_pb2_grpc.add_AppServiceServicer_to_server(AppServicer(s), server)
         data_pb2_grpc.add_DataServiceServicer_to_server(DataServicer(s, self.scheduler.remove), server)
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(s, self.scheduler), server)
@@ -165,8 +178,11 @@ def serve_main(argv: Sequence[str]) -> int:
     """Entry point of `lorad serve`; returns the exit code (2 for a bad configuration)."""
     args = _parse(argv)
     env = dict(os.environ)
-    for key, val in (("LORAD_STORAGE_DATA_DIR", args.data_dir), ("LORAD_SERVER_SOCKET_PATH", args.socket),
-                     ("LORAD_SERVER_TCP_ADDRESS", args.tcp)):  # fmt: skip
+    for key, val in (
+        ("LORAD_STORAGE_DATA_DIR", args.data_dir),
+        ("LORAD_SERVER_SOCKET_PATH", args.socket),
+        ("LORAD_SERVER_TCP_ADDRESS", args.tcp),
+    ):
         if val:
             env[key] = val
     try:

@@ -95,8 +95,11 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, in
     """
     base = Path(rec.path).parent / "exports"
     base.mkdir(parents=True, exist_ok=True)
-    name = {"peft": f"{rec.adapter_id}.peft.tar", "gguf": f"{rec.adapter_id}.lora.gguf",
-            "merged": f"{rec.adapter_id}.merged.tar"}[fmt]  # fmt: skip
+    name = {
+        "peft": f"{rec.adapter_id}.peft.tar",
+        "gguf": f"{rec.adapter_id}.lora.gguf",
+        "merged": f"{rec.adapter_id}.merged.tar",
+    }[fmt]
     dest = base / name
     digest = dest.with_name(name + ".sha256")
     with _lock(str(dest)):

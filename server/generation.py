@@ -100,8 +100,9 @@ class Generator:
             self._adapters[rec.adapter_id] = ad.weights()
         return self._adapters[rec.adapter_id]
 
-    def stream(self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool],
-               extra: Sequence[AdapterRec] = ()) -> Iterator[Piece]:  # fmt: skip
+    def stream(
+        self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool], extra: Sequence[AdapterRec] = ()
+    ) -> Iterator[Piece]:
         """Yields text pieces (runs on a worker thread; stops early when ``cancelled()``).
 
         ``extra`` adapters apply together with ``rec``: their updates add (``compose``).
@@ -127,9 +128,13 @@ class Generator:
                 "prompt", f"{len(ids)} prompt tokens fill the model's context ({loaded.config.max_position})"
             )
         n = min(req.max_tokens, room)
-        cfg = SamplingConfig(max_new_tokens=n, temperature=req.temperature, top_p=req.top_p,
-                             seed=req.seed if req.temperature > 0 else None,
-                             repetition_penalty=req.repetition_penalty)  # fmt: skip
+        cfg = SamplingConfig(
+            max_new_tokens=n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed if req.temperature > 0 else None,
+            repetition_penalty=req.repetition_penalty,
+        )
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars held back so no stop string leaks
         with self._lock:
             adapter = self._adapter_weights(rec, loaded) if rec is not None else None

@@ -21,13 +21,17 @@ def with_init_adapter(s: Services, app_id: str, params: TrainingParams, *, lora_
     rec = s.adapters.get(app_id, params.init_adapter_id)
     base = s.models.entry(params.base_model).name
     if rec.base_model != base:
-        raise InvalidArgument("config.init_adapter_id",
-                              f"adapter is for base model {rec.base_model!r}, the job trains {base!r}")  # fmt: skip
+        raise InvalidArgument(
+            "config.init_adapter_id", f"adapter is for base model {rec.base_model!r}, the job trains {base!r}"
+        )
     if lora_given and (params.rank, params.alpha, sorted(params.target_modules)) != (
         rec.rank,
         rec.alpha,
         sorted(rec.target_modules),
     ):
-        raise InvalidArgument("config.lora", f"differs from the init adapter's (rank {rec.rank}, alpha {rec.alpha}, "
-                                             f"targets {list(rec.target_modules)}); leave it unset")  # fmt: skip
+        raise InvalidArgument(
+            "config.lora",
+            f"differs from the init adapter's (rank {rec.rank}, alpha {rec.alpha}, "
+            f"targets {list(rec.target_modules)}); leave it unset",
+        )
     return dataclasses.replace(params, rank=rec.rank, alpha=rec.alpha, target_modules=tuple(rec.target_modules))

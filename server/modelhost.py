@@ -29,8 +29,14 @@ class ModelEntry:
 class ModelHost:
     """Resolves model names; loads each base once for inference (adapters are swapped per call, base stays)."""
 
-    def __init__(self, default_model: str, model_dirs: tuple[str, ...], cache_root: Path, backend: str,
-                 loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        default_model: str,
+        model_dirs: tuple[str, ...],
+        cache_root: Path,
+        backend: str,
+        loader: Callable[..., Any] | None = None,
+    ) -> None:
         """``loader`` has ``lorad.server.engine.models.load_model``'s signature (default: that function)."""
         self.cache_root = cache_root
         self.backend_override = backend
@@ -78,8 +84,11 @@ class ModelHost:
 
                 info = detect_backend(self.backend_override)
                 self._loaded[e.name] = (self.loader or load_model)(
-                    e.source, cache_root=self.cache_root, backend=info.name,
-                    precision=resolve_precision("auto", info.name), lora=None,
-                )  # fmt: skip
+                    e.source,
+                    cache_root=self.cache_root,
+                    backend=info.name,
+                    precision=resolve_precision("auto", info.name),
+                    lora=None,
+                )
                 log.info("inference_model_loaded", model=e.name, backend=info.name)
             return self._loaded[e.name]

@@ -56,8 +56,9 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
     return PreparedBundle(bundle, folder, entry.source)
 
 
-def assemble(cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str, Any], lora: Any,
-             embed_fp16: bool = False) -> Any:  # fmt: skip
+def assemble(
+    cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str, Any], lora: Any, embed_fp16: bool = False
+) -> Any:
     """The CausalLM whose frozen projections are ``linears`` (layer name -> FrozenLinear), with LoRA on top.
 
     build_model lays the model out; the projection weights are given to it as meta tensors (no memory), and each
@@ -101,8 +102,14 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
     """
     from lorad.server.engine.models.loader import LoadedModel, load_model, resolve
 
-    def load(source: str | Path | None = None, *, cache_root: Path, backend: str = "torch", precision: Any = "fp32",
-             lora: Any = None) -> Any:  # fmt: skip
+    def load(
+        source: str | Path | None = None,
+        *,
+        cache_root: Path,
+        backend: str = "torch",
+        precision: Any = "fp32",
+        lora: Any = None,
+    ) -> Any:
         same = (source is None and pb.source is None) or (
             source is not None and pb.source is not None and Path(source).expanduser() == pb.source
         )

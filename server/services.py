@@ -91,13 +91,40 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
     monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
     dev = cfg.device
     wake = WakeLockHooks(dev.wake_lock_acquire, dev.wake_lock_release, dev.wake_lock_timeout_seconds)
-    runner = Runner(jobs, samples, adapters, layout, factory, hub, monitor.latest, cfg.storage.keep_checkpoints,
-                    backend_for=lambda job: job_backend(job, backend), on_running=wake.set_held,
-                    judge=lambda r, req: evaluate(r, req, profile))  # fmt: skip
+    runner = Runner(
+        jobs,
+        samples,
+        adapters,
+        layout,
+        factory,
+        hub,
+        monitor.latest,
+        cfg.storage.keep_checkpoints,
+        backend_for=lambda job: job_backend(job, backend),
+        on_running=wake.set_held,
+        judge=lambda r, req: evaluate(r, req, profile),
+    )
     manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout)
     owner = ensure_owner_token(data)
-    return Services(cfg, db, apps, samples, jobs, adapters, ScheduleRepo(db), layout, hub, runner, manager, monitor,
-                    models, Authenticator(owner, apps), owner, wake, profile)  # fmt: skip
+    return Services(
+        cfg,
+        db,
+        apps,
+        samples,
+        jobs,
+        adapters,
+        ScheduleRepo(db),
+        layout,
+        hub,
+        runner,
+        manager,
+        monitor,
+        models,
+        Authenticator(owner, apps),
+        owner,
+        wake,
+        profile,
+    )
 
 
 def job_backend(job: Job, configured: str) -> tuple[str, str]:

@@ -79,8 +79,9 @@ def chat(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
             reply = "".join(answer)
             if as_json:
-                print_json({"user": text, "assistant": reply, "prompt_token_count": prompt_tokens,
-                            "finish_reason": finish})  # fmt: skip
+                print_json(
+                    {"user": text, "assistant": reply, "prompt_token_count": prompt_tokens, "finish_reason": finish}
+                )
             else:
                 sys.stdout.write("\n")
             history += [ChatMessage(Role.USER, text), ChatMessage(Role.ASSISTANT, reply)]

@@ -83,8 +83,14 @@ class ProgressView:
     def update(self, u: JobUpdate) -> None:
         """Shows one update, as of its event (a replayed history shows each step, not the latest job)."""
         ev = u.event
-        job = dataclasses.replace(u.job, state=ev.state, blocked_reason=ev.blocked_reason, progress=ev.progress,
-                                  phase=ev.phase, phase_fraction=ev.phase_fraction)  # fmt: skip
+        job = dataclasses.replace(
+            u.job,
+            state=ev.state,
+            blocked_reason=ev.blocked_reason,
+            progress=ev.progress,
+            phase=ev.phase,
+            phase_fraction=ev.phase_fraction,
+        )
         if ev.state is JobState.UNSPECIFIED:
             job = u.job
         changed = ev.kind is JobEventKind.STATE_CHANGED or job.state is not self._last_state

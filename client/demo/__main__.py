@@ -31,10 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="daemon training threads (0 = torch default)")
     a = p.parse_args(argv)
     settings = DemoSettings(
-        steps=a.steps, seq_len=a.seq_len, batch_size=a.batch_size, learning_rate=a.lr, rank=a.rank,
-        precision=Precision(a.precision), max_tokens=a.max_tokens, use_window=not a.no_window, keep=a.keep,
+        steps=a.steps,
+        seq_len=a.seq_len,
+        batch_size=a.batch_size,
+        learning_rate=a.lr,
+        rank=a.rank,
+        precision=Precision(a.precision),
+        max_tokens=a.max_tokens,
+        use_window=not a.no_window,
+        keep=a.keep,
         torch_threads=a.threads,
-    )  # fmt: skip
+    )
     try:
         Demo(settings).run()
     except LoradError as err:

@@ -82,8 +82,11 @@ class DemoDaemon:
         log = self.log_file.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lorad.server", "--config", str(self.config_file)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while not (self.socket_path.exists() and self.owner_token_file.exists()):

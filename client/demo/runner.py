@@ -155,9 +155,11 @@ class Demo:
             self.say(f"submitted {r.accepted_count} of {PERSONA}'s notes and chats to dataset {DATASET_ID!r}")
             window = next_window(dt.datetime.now(dt.UTC), self.s.min_window_lead_seconds) if self.s.use_window else None
             job = c.create_job(
-                [DATASET_ID], training_config(self.s), window=window,
+                [DATASET_ID],
+                training_config(self.s),
+                window=window,
                 requirements=DeviceRequirements(require_charging=True, max_temperature_celsius=40.0),
-            )  # fmt: skip
+            )
             when = f"nightly-style window {window.cron!r} UTC" if window else "no window (as soon as allowed)"
             self.say(f"job {job.job_id}: {self.s.steps} steps, rank {self.s.rank}, seq {self.s.seq_len}; {when}")
             questions = load_questions()
@@ -168,16 +170,25 @@ class Demo:
                 err = f": {job.error.code}: {job.error.message}" if job.error else ""
                 raise LoradError(f"the demo job ended {job.state.value}{err}")
             dl = c.download_adapter(job, daemon.root, "peft")
-            self.say(f"downloaded adapter {job.adapter_id}: {Path(dl.path).name}, {dl.size_bytes} bytes, "
-                     f"sha256 {dl.sha256[:16]}… verified")  # fmt: skip
+            self.say(
+                f"downloaded adapter {job.adapter_id}: {Path(dl.path).name}, {dl.size_bytes} bytes, "
+                f"sha256 {dl.sha256[:16]}… verified"
+            )
             tuned = ask(c, questions, job.adapter_id, self.s.max_tokens)
             adapter = c.get_adapter(job.adapter_id)
         answers = tuple(Answer(q, b, t) for q, b, t in zip(questions, base, tuned, strict=True))
         before = _loss(adapter.eval_loss_before) or _loss(job.progress.eval_loss_before)
         after = _loss(adapter.eval_loss_after) or _loss(job.progress.eval_loss)
         result = DemoResult(
-            job, answers, before, after, dl.path, dl.sha256, time.monotonic() - self.t0, tuple(curve),
-        )  # fmt: skip
+            job,
+            answers,
+            before,
+            after,
+            dl.path,
+            dl.sha256,
+            time.monotonic() - self.t0,
+            tuple(curve),
+        )
         self.report(result)
         return result
 

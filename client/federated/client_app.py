@@ -18,8 +18,16 @@ def reply_content(plan: RoundPlan | None, res: RoundResult) -> RecordDict:
         declined = ConfigRecord({"status": "declined", "reason": res.declined or "unknown"})
         return RecordDict({"metrics": MetricRecord({NUM_EXAMPLES: 0}), META: declined})
     fed = plan.fed
-    meta = ConfigRecord({"status": "ok", "mode": plan.mode, "seed": fed.seed, "rank": fed.rank,
-                         "targets": sorted(fed.targets), "base_model_sha256": fed.base_model_sha256})  # fmt: skip
+    meta = ConfigRecord(
+        {
+            "status": "ok",
+            "mode": plan.mode,
+            "seed": fed.seed,
+            "rank": fed.rank,
+            "targets": sorted(fed.targets),
+            "base_model_sha256": fed.base_model_sha256,
+        }
+    )
     arrays = ArrayRecord({k: Array(np.ascontiguousarray(v, np.float32)) for k, v in sorted(res.update.items())})
     metrics = MetricRecord({NUM_EXAMPLES: res.num_examples, **finite(res.metrics or {})})
     return RecordDict({"arrays": arrays, "metrics": metrics, META: meta})

@@ -47,11 +47,15 @@ class NodeSettings:
         missing = [k for k in ("lorad-target", "lorad-token-file", "datasets") if not c.get(k)]
         if missing:
             raise ValueError(f"node config lacks {missing}; start the SuperNode with `lorad federate join`")
-        return cls(target=str(c["lorad-target"]), token_file=Path(str(c["lorad-token-file"])),
-                   datasets=tuple(d for d in str(c["datasets"]).split(",") if d),
-                   opt_in=bool(c.get("opt-in", False)), base_model=str(c.get("base-model", "")),
-                   gate_wait_s=float(c.get("gate-wait-seconds", 0.0)),
-                   job_timeout_s=float(c.get("job-timeout-seconds", 1800.0)))  # fmt: skip
+        return cls(
+            target=str(c["lorad-target"]),
+            token_file=Path(str(c["lorad-token-file"])),
+            datasets=tuple(d for d in str(c["datasets"]).split(",") if d),
+            opt_in=bool(c.get("opt-in", False)),
+            base_model=str(c.get("base-model", "")),
+            gate_wait_s=float(c.get("gate-wait-seconds", 0.0)),
+            job_timeout_s=float(c.get("job-timeout-seconds", 1800.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,24 @@ class RoundPlan:
     @classmethod
     def from_config(cls, c: Mapping[str, Any], run_id: int) -> RoundPlan:
         """Parses the ConfigRecord the strategy sends."""
-        fed = FedLora(base_model_sha256=str(c["base_model_sha256"]), rank=int(c["rank"]), alpha=float(c["alpha"]),
-                      targets=tuple(str(t) for t in c["targets"]), seed=int(c["seed"]))  # fmt: skip
-        return cls(fed=fed, mode=str(c["mode"]), server_round=int(c.get("server-round", 0)),
-                   in_features=tuple(int(i) for i in c.get("in_features", ())), steps=int(c.get("local-steps", 10)),
-                   learning_rate=float(c.get("learning-rate", 1e-3)), seq_len=int(c.get("seq-len", 256)),
-                   batch_size=int(c.get("batch-size", 1)), run_id=run_id)  # fmt: skip
+        fed = FedLora(
+            base_model_sha256=str(c["base_model_sha256"]),
+            rank=int(c["rank"]),
+            alpha=float(c["alpha"]),
+            targets=tuple(str(t) for t in c["targets"]),
+            seed=int(c["seed"]),
+        )
+        return cls(
+            fed=fed,
+            mode=str(c["mode"]),
+            server_round=int(c.get("server-round", 0)),
+            in_features=tuple(int(i) for i in c.get("in_features", ())),
+            steps=int(c.get("local-steps", 10)),
+            learning_rate=float(c.get("learning-rate", 1e-3)),
+            seq_len=int(c.get("seq-len", 256)),
+            batch_size=int(c.get("batch-size", 1)),
+            run_id=run_id,
+        )
 
 
 @dataclass(frozen=True)
@@ -132,18 +148,26 @@ def _train(c: lc.Client, node: NodeSettings, plan: RoundPlan, arrays: Arrays) ->
     job = None
     try:
         cfg = lc.TrainingConfig(
-            base_model=node.base_model, init_adapter_id=imported.adapter_id, freeze_lora_a=plan.mode == "ffa",
-            max_steps=plan.steps, learning_rate=plan.learning_rate, seq_len=plan.seq_len,
-            batch_size=plan.batch_size, seed=plan.fed.seed + plan.server_round, eval_fraction=0.2,
-            eval_every_steps=plan.steps, checkpoint_every_steps=plan.steps,
-        )  # fmt: skip
+            base_model=node.base_model,
+            init_adapter_id=imported.adapter_id,
+            freeze_lora_a=plan.mode == "ffa",
+            max_steps=plan.steps,
+            learning_rate=plan.learning_rate,
+            seq_len=plan.seq_len,
+            batch_size=plan.batch_size,
+            seed=plan.fed.seed + plan.server_round,
+            eval_fraction=0.2,
+            eval_every_steps=plan.steps,
+            checkpoint_every_steps=plan.steps,
+        )
         job = c.create_job(node.datasets, cfg, request_id=f"fed-{plan.run_id}-{plan.server_round}")
         job = _wait(c, job, node)
         if job.state != lc.JobState.SUCCEEDED:
             if not job.is_final:
                 c.cancel_job(job)
-                return RoundResult(declined=job.blocked_reason.value if job.blocked_reason.value != "none"
-                                   else "timeout")  # fmt: skip
+                return RoundResult(
+                    declined=job.blocked_reason.value if job.blocked_reason.value != "none" else "timeout"
+                )
             return RoundResult(declined=f"job_{job.error.code if job.error else job.state.value}")
         adapter = c.get_adapter(job.adapter_id)
         with tempfile.TemporaryDirectory(prefix="lorad-fed-") as tmp:
@@ -152,8 +176,12 @@ def _train(c: lc.Client, node: NodeSettings, plan: RoundPlan, arrays: Arrays) ->
             _, trained = read_peft_tar(path.read_bytes())
         keep = (".lora_B.weight",) if plan.mode == "ffa" else (".lora_A.weight", ".lora_B.weight")
         update = {k: v for k, v in trained.items() if k.endswith(keep)}
-        metrics = {"train_loss": adapter.train_loss, "eval_loss": adapter.eval_loss_after,
-                   "eval_loss_before": adapter.eval_loss_before, "steps": float(adapter.steps)}  # fmt: skip
+        metrics = {
+            "train_loss": adapter.train_loss,
+            "eval_loss": adapter.eval_loss_after,
+            "eval_loss_before": adapter.eval_loss_before,
+            "steps": float(adapter.steps),
+        }
         return RoundResult(update=update, num_examples=max(1, adapter.sample_count), metrics=metrics)
     finally:
         for ref in (imported.adapter_id, job.adapter_id if job is not None and job.adapter_id else None):

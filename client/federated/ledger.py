@@ -56,8 +56,10 @@ class Ledger:
     def round_summary(self, round_: int) -> dict[str, int]:
         """Bytes down/up and device counts by status for one round."""
         es = [e for e in self.entries if e.round == round_]
-        out = {"bytes_down": sum(e.bytes for e in es if e.direction == "down"),
-               "bytes_up": sum(e.bytes for e in es if e.direction == "up")}  # fmt: skip
+        out = {
+            "bytes_down": sum(e.bytes for e in es if e.direction == "down"),
+            "bytes_up": sum(e.bytes for e in es if e.direction == "up"),
+        }
         for e in es:
             if e.direction == "up":
                 out[e.status] = out.get(e.status, 0) + 1

@@ -142,8 +142,12 @@ def delta_w(tensors: Mapping[str, NDArray[np.float32]], scale: float) -> dict[st
     return out
 
 
-def check_update(fed: FedLora, meta: Mapping[str, object], arrays: Mapping[str, NDArray[np.float32]],
-                 expected: Mapping[str, tuple[int, ...]]) -> None:  # fmt: skip
+def check_update(
+    fed: FedLora,
+    meta: Mapping[str, object],
+    arrays: Mapping[str, NDArray[np.float32]],
+    expected: Mapping[str, tuple[int, ...]],
+) -> None:
     """Refuses an update made for another base model, rank, targets or seed, or with other tensors.
 
     Raises:
@@ -176,8 +180,10 @@ def peft_tar(fed: FedLora, tensors: Mapping[str, NDArray[np.float32]], base_name
     """
     from safetensors.numpy import save
 
-    weights = save({k: np.ascontiguousarray(v, np.float32) for k, v in sorted(tensors.items())},
-                   metadata={"format": "pt", "lorad_base_model_hash": fed.base_model_sha256})  # fmt: skip
+    weights = save(
+        {k: np.ascontiguousarray(v, np.float32) for k, v in sorted(tensors.items())},
+        metadata={"format": "pt", "lorad_base_model_hash": fed.base_model_sha256},
+    )
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -62,16 +62,27 @@ class ServerSettings:
         d = cls.__dataclass_fields__
         kw: dict[str, Any] = {}
         for name in d:
-            key = {"round_timeout_s": "round-timeout", "dp_noise_multiplier": "dp-noise",
-                   "dp_clipping_norm": "dp-clip"}.get(name, name.replace("_", "-"))  # fmt: skip
+            key = {
+                "round_timeout_s": "round-timeout",
+                "dp_noise_multiplier": "dp-noise",
+                "dp_clipping_norm": "dp-clip",
+            }.get(name, name.replace("_", "-"))
             if key in c:
                 kw[name] = c[key]
         kw["model_config"] = Path(str(kw["model_config"])).expanduser()
         kw["out_dir"] = Path(str(c.get("out-dir", "lorad-federated"))).expanduser()
         if isinstance(kw.get("targets"), str):
             kw["targets"] = tuple(t.strip() for t in kw["targets"].split(",") if t.strip())
-        for name in ("rounds", "rank", "seed", "local_steps", "seq_len", "batch_size", "min_train_nodes",
-                     "min_available_nodes"):  # fmt: skip
+        for name in (
+            "rounds",
+            "rank",
+            "seed",
+            "local_steps",
+            "seq_len",
+            "batch_size",
+            "min_train_nodes",
+            "min_available_nodes",
+        ):
             if name in kw:
                 kw[name] = int(kw[name])
         return cls(**kw)
@@ -88,10 +99,20 @@ def write_round(out_dir: Path, fed: FedLora, server_round: int, tensors: Arrays)
             f = tar.extractfile(m)
             assert f is not None
             (tmp / m.name).write_bytes(f.read())
-    (tmp / "lorad_federation.json").write_text(json.dumps({
-        "round": server_round, "base_model_hash": fed.base_model_sha256, "seed": fed.seed, "rank": fed.rank,
-        "alpha": fed.alpha, "targets": sorted(fed.targets), "written_at": time.time(),
-    }, indent=2))  # fmt: skip
+    (tmp / "lorad_federation.json").write_text(
+        json.dumps(
+            {
+                "round": server_round,
+                "base_model_hash": fed.base_model_sha256,
+                "seed": fed.seed,
+                "rank": fed.rank,
+                "alpha": fed.alpha,
+                "targets": sorted(fed.targets),
+                "written_at": time.time(),
+            },
+            indent=2,
+        )
+    )
     shutil.rmtree(dest, ignore_errors=True)
     tmp.replace(dest)
     return dest
@@ -102,12 +123,21 @@ def build_strategy(s: ServerSettings, ledger: Ledger) -> tuple[LoraFedAvg, Strat
     fed = FedLora(base_model_sha256=s.base_model_sha256, rank=s.rank, alpha=s.alpha, targets=s.targets, seed=s.seed)
     shapes = module_shapes(json.loads(s.model_config.read_text()), s.targets)
     lora = LoraFedAvg(
-        fed, shapes, mode=s.mode, ledger=ledger, on_round=lambda r, t: log.info("round_adapter %s",
-                                                                                 write_round(s.out_dir, fed, r, t)),
-        train_config={"local-steps": s.local_steps, "learning-rate": s.learning_rate, "seq-len": s.seq_len,
-                      "batch-size": s.batch_size},
-        fraction_train=s.fraction_train, min_train_nodes=s.min_train_nodes, min_available_nodes=s.min_available_nodes,
-    )  # fmt: skip
+        fed,
+        shapes,
+        mode=s.mode,
+        ledger=ledger,
+        on_round=lambda r, t: log.info("round_adapter %s", write_round(s.out_dir, fed, r, t)),
+        train_config={
+            "local-steps": s.local_steps,
+            "learning-rate": s.learning_rate,
+            "seq-len": s.seq_len,
+            "batch-size": s.batch_size,
+        },
+        fraction_train=s.fraction_train,
+        min_train_nodes=s.min_train_nodes,
+        min_available_nodes=s.min_available_nodes,
+    )
     if s.dp_noise_multiplier > 0 and s.dp_clipping_norm > 0:
         return lora, DifferentialPrivacyServerSideFixedClipping(
             lora, s.dp_noise_multiplier, s.dp_clipping_norm, num_sampled_clients=s.min_train_nodes
@@ -123,13 +153,14 @@ def main(grid: Grid, context: Context) -> None:
     ledger = Ledger(s.out_dir / "ledger.jsonl")
     lora, strategy = build_strategy(s, ledger)
     t0 = time.monotonic()
-    result = strategy.start(grid, initial_arrays=lora.initial_arrays(), num_rounds=s.rounds,
-                            timeout=s.round_timeout_s)  # fmt: skip
+    result = strategy.start(grid, initial_arrays=lora.initial_arrays(), num_rounds=s.rounds, timeout=s.round_timeout_s)
     summary = {
-        "rounds": s.rounds, "mode": s.mode, "seconds": round(time.monotonic() - t0, 3),
+        "rounds": s.rounds,
+        "mode": s.mode,
+        "seconds": round(time.monotonic() - t0, 3),
         "round_seconds": lora.round_seconds,
         "per_round": {r: ledger.round_summary(r) for r in range(1, s.rounds + 1)},
         "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
         "rejected": [{"round": r, "node_id": n, "reason": why} for r, n, why in lora.rejected],
-    }  # fmt: skip
+    }
     (s.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

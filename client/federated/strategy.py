@@ -105,9 +105,18 @@ class LoraFedAvg(FedAvg):
     def plan(self) -> ConfigRecord:
         """The round's settings devices must follow and echo back."""
         fan_in = [self.shapes[module_of(k)][1] for k in sorted(b_key(m) for m in self.shapes)]
-        return ConfigRecord({"mode": self.mode, "seed": self.fed.seed, "rank": self.fed.rank,
-                             "alpha": self.fed.alpha, "targets": sorted(self.fed.targets), "in_features": fan_in,
-                             "base_model_sha256": self.fed.base_model_sha256, **self.train_config})  # fmt: skip
+        return ConfigRecord(
+            {
+                "mode": self.mode,
+                "seed": self.fed.seed,
+                "rank": self.fed.rank,
+                "alpha": self.fed.alpha,
+                "targets": sorted(self.fed.targets),
+                "in_features": fan_in,
+                "base_model_sha256": self.fed.base_model_sha256,
+                **self.train_config,
+            }
+        )
 
     # -- Flower hooks ---------------------------------------------------------------------------------------------
     def configure_train(
@@ -166,8 +175,12 @@ class LoraFedAvg(FedAvg):
         accepted = self._screen(server_round, replies)
         if server_round in self._started:
             self.round_seconds[server_round] = round(time.monotonic() - self._started[server_round], 3)
-        log.info("round_screened round=%d accepted=%d summary=%s", server_round, len(accepted),
-                 self.ledger.round_summary(server_round))  # fmt: skip
+        log.info(
+            "round_screened round=%d accepted=%d summary=%s",
+            server_round,
+            len(accepted),
+            self.ledger.round_summary(server_round),
+        )
         if not accepted:  # the global adapter stays; its round file is still written
             if self.on_round is not None and self._current is not None:
                 self.on_round(server_round, self.full_tensors(self._current))

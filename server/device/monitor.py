@@ -36,10 +36,19 @@ class ConditionMonitor:
         prev = self._latest
         r = await asyncio.to_thread(self.read_now)
         if (r.battery_percent, r.charging, r.temperature_celsius, r.idle) != (
-            prev.battery_percent, prev.charging, prev.temperature_celsius, prev.idle,
-        ):  # fmt: skip
-            log.info("device_readings", battery=r.battery_percent, charging=r.charging,
-                     temperature_c=r.temperature_celsius, idle=r.idle, source=r.source)  # fmt: skip
+            prev.battery_percent,
+            prev.charging,
+            prev.temperature_celsius,
+            prev.idle,
+        ):
+            log.info(
+                "device_readings",
+                battery=r.battery_percent,
+                charging=r.charging,
+                temperature_c=r.temperature_celsius,
+                idle=r.idle,
+                source=r.source,
+            )
         for cb in self.listeners:
             await asyncio.to_thread(cb)
 

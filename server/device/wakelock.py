@@ -75,8 +75,14 @@ class WakeLockHooks:
     def _run(self, cmd: str) -> None:
         # A new session, so a hung command's children are killed with it (the hook may fork helpers).
         try:
-            proc = subprocess.Popen(cmd, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd,
+                shell=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         except OSError as exc:
             log.warning("wake_lock_hook_failed", command=cmd, error=str(exc)[:200])
             return
@@ -91,7 +97,8 @@ class WakeLockHooks:
             log.warning("wake_lock_hook_timeout", command=cmd, timeout_s=self.timeout_s)
             return
         if proc.returncode != 0:
-            log.warning("wake_lock_hook_failed", command=cmd, code=proc.returncode,
-                        error=err.decode(errors="replace")[-300:])  # fmt: skip
+            log.warning(
+                "wake_lock_hook_failed", command=cmd, code=proc.returncode, error=err.decode(errors="replace")[-300:]
+            )
         else:
             log.info("wake_lock_hook_ran", command=cmd)

@@ -22,8 +22,16 @@ PAUSABLE = (JobState.QUEUED, JobState.WAITING)
 class JobManager:
     """Job operations scoped to one app per call; the runner does the NPU side."""
 
-    def __init__(self, apps: AppRepo, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, runner: Runner,  # noqa: PLR0917
-                 hub: EventHub, layout: Layout) -> None:  # fmt: skip
+    def __init__(  # noqa: PLR0917
+        self,
+        apps: AppRepo,
+        jobs: JobRepo,
+        samples: SampleRepo,
+        adapters: AdapterRepo,
+        runner: Runner,
+        hub: EventHub,
+        layout: Layout,
+    ) -> None:
         self.apps, self.jobs, self.samples, self.adapters = apps, jobs, samples, adapters
         self.runner, self.hub, self.layout = runner, hub, layout
         self.on_window: list = []  # callbacks(job) registering a job's window with the scheduler
@@ -81,8 +89,15 @@ class JobManager:
             if not self.runner.request_pause(job_id, JobState.PAUSED, Blocked.PAUSED_BY_USER, detail):
                 raise FailedPrecondition(f"job {job_id} is RUNNING but not on the NPU yet; retry")
         elif job.state in PAUSABLE:
-            self.jobs.transition(job_id, PAUSABLE, JobState.PAUSED, app_id=app_id, blocked=Blocked.PAUSED_BY_USER,
-                                 detail=detail, message="paused by PauseJob")  # fmt: skip
+            self.jobs.transition(
+                job_id,
+                PAUSABLE,
+                JobState.PAUSED,
+                app_id=app_id,
+                blocked=Blocked.PAUSED_BY_USER,
+                detail=detail,
+                message="paused by PauseJob",
+            )
             self.hub.notify()
             self.runner.reconcile()
         elif job.state is JobState.PAUSING and job.blocked is not Blocked.PAUSED_BY_USER:

@@ -47,11 +47,20 @@ ON_NPU = (JobState.RUNNING, JobState.PAUSING)
 class Runner:
     """Runs jobs one at a time on a dedicated thread; ``reconcile()`` applies the device conditions to the queue."""
 
-    def __init__(self, jobs: JobRepo, samples: SampleRepo, adapters: AdapterRepo, layout: Layout,  # noqa: PLR0917
-                 factory: SessionFactory, hub: EventHub, readings: Callable[[], Readings],
-                 keep_checkpoints: int = 2, backend_for: Callable[[Job], tuple[str, str]] | None = None,
-                 on_running: Callable[[bool], None] | None = None,
-                 judge: Callable[[Readings, Requirements], Verdict] = evaluate) -> None:  # fmt: skip
+    def __init__(  # noqa: PLR0917
+        self,
+        jobs: JobRepo,
+        samples: SampleRepo,
+        adapters: AdapterRepo,
+        layout: Layout,
+        factory: SessionFactory,
+        hub: EventHub,
+        readings: Callable[[], Readings],
+        keep_checkpoints: int = 2,
+        backend_for: Callable[[Job], tuple[str, str]] | None = None,
+        on_running: Callable[[bool], None] | None = None,
+        judge: Callable[[Readings, Requirements], Verdict] = evaluate,
+    ) -> None:
         """``backend_for(job)`` names the compute backend a job will train on and why (for its start event);
         ``on_running(True/False)`` is called when a job enters / leaves RUNNING (the wake-lock hooks);
         ``judge`` applies the device profile's policy to the readings."""
@@ -74,12 +83,22 @@ class Runner:
             where = f"from checkpoint step {ck[-1].step}" if ck else "from the start (no checkpoint)"
             if job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER:
                 # The user's pause stands: the job waits for ResumeJob, then continues from its last checkpoint.
-                self._move(job.job_id, ON_NPU, JobState.PAUSED, Blocked.PAUSED_BY_USER, job.blocked_detail,
-                           f"daemon restarted while pausing; paused, resume continues {where}")  # fmt: skip
+                self._move(
+                    job.job_id,
+                    ON_NPU,
+                    JobState.PAUSED,
+                    Blocked.PAUSED_BY_USER,
+                    job.blocked_detail,
+                    f"daemon restarted while pausing; paused, resume continues {where}",
+                )
             else:
                 self._move(job.job_id, ON_NPU, JobState.QUEUED, Blocked.NONE, "", f"daemon restarted; resumes {where}")
-            log.info("job_recovered", job_id=job.job_id, checkpoint_step=ck[-1].step if ck else None,
-                     paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER)  # fmt: skip
+            log.info(
+                "job_recovered",
+                job_id=job.job_id,
+                checkpoint_step=ck[-1].step if ck else None,
+                paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER,
+            )
         self._thread.start()
         self.reconcile()
 
@@ -167,8 +186,16 @@ class Runner:
             self._move(job_id, (JobState.RUNNING,), JobState.PAUSING, blocked, detail, f"pausing: {detail}")
         self._stop.set()
 
-    def _move(self, job_id: str, allowed: tuple[JobState, ...] | frozenset[JobState], to: JobState,  # noqa: PLR0917
-              blocked: Blocked, detail: str, message: str, **fields: Any) -> bool:  # fmt: skip
+    def _move(  # noqa: PLR0917
+        self,
+        job_id: str,
+        allowed: tuple[JobState, ...] | frozenset[JobState],
+        to: JobState,
+        blocked: Blocked,
+        detail: str,
+        message: str,
+        **fields: Any,
+    ) -> bool:
         try:
             job = self.jobs.get(job_id)
             if job.state is to and job.blocked is blocked and job.blocked_detail == detail and not fields:
@@ -225,8 +252,9 @@ class Runner:
                 except NotFound:
                     self._fail(job_id, "init_adapter_missing", "the adapter the job starts from was deleted")
                     return
-            req = SessionRequest(job_id, job.app_id, job.spec, tuple(samples), work, self.keep,
-                                 job.progress.eval_loss_before, init)  # fmt: skip
+            req = SessionRequest(
+                job_id, job.app_id, job.spec, tuple(samples), work, self.keep, job.progress.eval_loss_before, init
+            )
             log.info("job_running", samples=len(samples), steps=job.spec.params.max_steps)
             try:
                 outcome = self.factory(req).run(self._stop.is_set, _Sink(self, job_id))
@@ -246,8 +274,9 @@ class Runner:
 
     def _fail(self, job_id: str, code: str, message: str) -> None:
         log.warning("job_failed", code=code)
-        self._move(job_id, ON_NPU, JobState.FAILED, Blocked.NONE, "", f"failed: {code}", error_code=code,
-                   error_message=message)  # fmt: skip
+        self._move(
+            job_id, ON_NPU, JobState.FAILED, Blocked.NONE, "", f"failed: {code}", error_code=code, error_message=message
+        )
 
     def _paused(self, job_id: str) -> None:
         with self._lock:
@@ -276,16 +305,31 @@ class Runner:
         art.path.replace(dest / "peft")  # same filesystem: an atomic move of the finished folder
         p = job.spec.params
         rec = AdapterRec(
-            adapter_id=adapter_id, app_id=job.app_id, job_id=job_id, base_model=art.base_model,
-            base_model_sha256=art.base_model_sha256, tokenizer_sha256=art.tokenizer_sha256, rank=p.rank,
-            alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules, steps=art.steps,
-            eval_loss_before=art.eval_loss_before, eval_loss_after=art.eval_loss_after, train_loss=art.train_loss,
-            precision_plan=art.precision_plan, data_until_ms=job.data_until_ms, sample_count=art.sample_count,
-            created_at_ms=now_ms(), size_bytes=tree_size(dest / "peft"), path=str(dest / "peft"),
-        )  # fmt: skip
+            adapter_id=adapter_id,
+            app_id=job.app_id,
+            job_id=job_id,
+            base_model=art.base_model,
+            base_model_sha256=art.base_model_sha256,
+            tokenizer_sha256=art.tokenizer_sha256,
+            rank=p.rank,
+            alpha=p.alpha,
+            dropout=p.dropout,
+            target_modules=p.target_modules,
+            steps=art.steps,
+            eval_loss_before=art.eval_loss_before,
+            eval_loss_after=art.eval_loss_after,
+            train_loss=art.train_loss,
+            precision_plan=art.precision_plan,
+            data_until_ms=job.data_until_ms,
+            sample_count=art.sample_count,
+            created_at_ms=now_ms(),
+            size_bytes=tree_size(dest / "peft"),
+            path=str(dest / "peft"),
+        )
         self.adapters.add(rec)
-        if not self._move(job_id, ON_NPU, JobState.SUCCEEDED, Blocked.NONE, "", f"adapter {adapter_id} ready",
-                          adapter_id=adapter_id):  # fmt: skip
+        if not self._move(
+            job_id, ON_NPU, JobState.SUCCEEDED, Blocked.NONE, "", f"adapter {adapter_id} ready", adapter_id=adapter_id
+        ):
             self.adapters.delete(job.app_id, adapter_id)
             remove_tree(dest)
             return
@@ -321,8 +365,9 @@ class _Sink:
     def backend(self, name: str, reason: str) -> None:
         job = self._job()
         if job.state in ON_NPU:
-            self.r.jobs.transition(self.job_id, ON_NPU, job.state, blocked=job.blocked, detail=job.blocked_detail,
-                                   backend=name)  # fmt: skip
+            self.r.jobs.transition(
+                self.job_id, ON_NPU, job.state, blocked=job.blocked, detail=job.blocked_detail, backend=name
+            )
         self._record(EventKind.NOTICE, message=f"backend {name}: {reason}")
 
     def eval_before(self, loss: float, total_steps: int) -> None:
@@ -334,9 +379,14 @@ class _Sink:
         cur = self._job().progress
         frac = progress.step / progress.total_steps if progress.total_steps else None
         progress = replace(
-            progress, eval_loss_before=progress.eval_loss_before if progress.eval_loss_before is not None
-            else cur.eval_loss_before, phase=Phase.TRAINING, phase_fraction=frac, data=progress.data or cur.data,
-        )  # fmt: skip
+            progress,
+            eval_loss_before=progress.eval_loss_before
+            if progress.eval_loss_before is not None
+            else cur.eval_loss_before,
+            phase=Phase.TRAINING,
+            phase_fraction=frac,
+            data=progress.data or cur.data,
+        )
         # Every step is a PROGRESS event; a step that ended with an evaluation is followed by its EVAL event.
         self._record(EventKind.PROGRESS, progress)
         if evaluated:
@@ -369,7 +419,8 @@ class _Sink:
     def data(self, summary: DataSummary) -> None:
         rejected = ", ".join(f"{n} {reason}" for reason, n in summary.rejected)
         self._record(
-            EventKind.NOTICE, replace(self._job().progress, data=summary),
+            EventKind.NOTICE,
+            replace(self._job().progress, data=summary),
             f"data: {summary.train_samples} train and {summary.eval_samples} held-out samples"
             + (f"; rejected {rejected}" if rejected else ""),
-        )  # fmt: skip
+        )

@@ -31,8 +31,11 @@ from lorad.v1 import (
     jobs_pb2,
 )
 
-FINISH: dict[str, Any] = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
-          "context": inference_pb2.FINISH_REASON_CONTEXT}  # fmt: skip
+FINISH: dict[str, Any] = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "context": inference_pb2.FINISH_REASON_CONTEXT,
+}
 
 
 class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
@@ -62,8 +65,9 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
         path, size, sha, name = await asyncio.to_thread(adapter_file, rec, fmt, self.s.models)
         if request.read_offset > size:
             raise InvalidArgument("read_offset", f"{request.read_offset} is past the end of the file ({size} bytes)")
-        header = adapters_pb2.DownloadHeader(total_size_bytes=size, sha256=sha, filename=name,
-                                             format=cv.FORMAT_ENUMS[fmt])  # fmt: skip
+        header = adapters_pb2.DownloadHeader(
+            total_size_bytes=size, sha256=sha, filename=name, format=cv.FORMAT_ENUMS[fmt]
+        )
         yield adapters_pb2.DownloadAdapterResponse(header=header, offset=request.read_offset)
         offset = request.read_offset
         with path.open("rb") as f:
@@ -72,8 +76,9 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
                 yield adapters_pb2.DownloadAdapterResponse(chunk=chunk, offset=offset)
                 offset += len(chunk)
 
-    async def ImportAdapter(self, request_iterator: AsyncIterator[adapters_pb2.ImportAdapterRequest],
-                            context: aio.ServicerContext) -> Any:  # fmt: skip
+    async def ImportAdapter(
+        self, request_iterator: AsyncIterator[adapters_pb2.ImportAdapterRequest], context: aio.ServicerContext
+    ) -> Any:
         from lorad.server.adapter_import import Upload, check_header, store_import
 
         app_id = principal().require_app()
@@ -115,8 +120,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.s = s
         self.gen = Generator(s.models)
 
-    async def Generate(self, request: inference_pb2.GenerateRequest,
-                       context: aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:  # fmt: skip
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         app_id = principal().require_app()
         which = request.WhichOneof("prompt")
         text = messages = None
@@ -138,11 +144,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             rec = await asyncio.to_thread(self.s.adapters.get, app_id, request.adapter_id)
         if len(request.extra_adapter_ids) > 8:
             raise InvalidArgument("extra_adapter_ids", f"{len(request.extra_adapter_ids)} given; at most 8")
-        extra = [await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id(f"extra_adapter_ids[{i}]", a))
-                 for i, a in enumerate(request.extra_adapter_ids)]  # fmt: skip
+        extra = [
+            await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id(f"extra_adapter_ids[{i}]", a))
+            for i, a in enumerate(request.extra_adapter_ids)
+        ]
         penalty = check_repetition_penalty(request.repetition_penalty)
-        req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model,
-                         penalty)  # fmt: skip
+        req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model, penalty)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stop = threading.Event()
@@ -161,9 +168,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                yield inference_pb2.GenerateResponse(text=item.text, token_count=item.token_count,
-                                                     finish_reason=FINISH.get(item.finish, 0),
-                                                     prompt_token_count=item.prompt_tokens)  # fmt: skip
+                yield inference_pb2.GenerateResponse(
+                    text=item.text,
+                    token_count=item.token_count,
+                    finish_reason=FINISH.get(item.finish, 0),
+                    prompt_token_count=item.prompt_tokens,
+                )
         finally:
             stop.set()
             with contextlib.suppress(BaseException):
@@ -181,23 +191,34 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
         info = detect_backend(self.s.cfg.training.backend)
         backend = device_pb2.BackendStatus(
-            backend=cv.BACKEND_ENUMS.get(info.name, 0), reason=info.reason, soc_model=info.soc_model,
+            backend=cv.BACKEND_ENUMS.get(info.name, 0),
+            reason=info.reason,
+            soc_model=info.soc_model,
             htp_arch=info.htp_arch,
-            available=[device_pb2.BackendAvailability(backend=cv.BACKEND_ENUMS.get(k, 0),
-                                                      usable=not st.startswith("unavailable"), detail=st)
-                       for k, st in info.available.items()],
-        )  # fmt: skip
+            available=[
+                device_pb2.BackendAvailability(
+                    backend=cv.BACKEND_ENUMS.get(k, 0), usable=not st.startswith("unavailable"), detail=st
+                )
+                for k, st in info.available.items()
+            ],
+        )
         r = self.s.monitor.latest()
         verdict = self.s.judge(r, self.s.default_requirements)
         out = device_pb2.GetDeviceStatusResponse(
-            backend=backend, readings=cv.readings_pb(r), can_train=verdict.ok,
-            blocked_reasons=[cv.blocked_pb(b) for b in verdict.reasons], blocked_detail=verdict.detail,
-            version=_version(), profile=cv.PROFILE_ENUMS[self.s.profile.name], profile_reason=self.s.profile.reason,
+            backend=backend,
+            readings=cv.readings_pb(r),
+            can_train=verdict.ok,
+            blocked_reasons=[cv.blocked_pb(b) for b in verdict.reasons],
+            blocked_detail=verdict.detail,
+            version=_version(),
+            profile=cv.PROFILE_ENUMS[self.s.profile.name],
+            profile_reason=self.s.profile.reason,
             unblock_hint=verdict.hint,
-        )  # fmt: skip
+        )
         if app_id is not None:
-            active = self.s.jobs.list_page(app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED,
-                                               JobState.WAITING], 1000, "")[0]  # fmt: skip
+            active = self.s.jobs.list_page(
+                app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED, JobState.WAITING], 1000, ""
+            )[0]
             if active:
                 job = min(active, key=lambda j: (j.state not in (JobState.RUNNING, JobState.PAUSING), j.created_at_ms))
                 out.current_job_id, out.current_job_state = job.job_id, cv.state_pb(job.state)

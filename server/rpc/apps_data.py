@@ -64,11 +64,16 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
         app_id = principal().require_app()
         ds = v.check_id("dataset_id", request.dataset_id)
         r = await asyncio.to_thread(self._append, app_id, ds, request.samples)
-        return data_pb2.AppendSamplesResponse(accepted_count=r.accepted, duplicate_count=r.duplicates,
-                                              sample_ids=r.sample_ids, dataset=cv.dataset_pb(r.dataset))  # fmt: skip
+        return data_pb2.AppendSamplesResponse(
+            accepted_count=r.accepted,
+            duplicate_count=r.duplicates,
+            sample_ids=r.sample_ids,
+            dataset=cv.dataset_pb(r.dataset),
+        )
 
-    async def StreamSamples(self, request_iterator: AsyncIterator[data_pb2.StreamSamplesRequest],
-                            context: aio.ServicerContext) -> Any:  # fmt: skip
+    async def StreamSamples(
+        self, request_iterator: AsyncIterator[data_pb2.StreamSamplesRequest], context: aio.ServicerContext
+    ) -> Any:
         app_id = principal().require_app()
         ds = ""
         accepted = dups = 0
@@ -82,8 +87,9 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             accepted, dups, dataset = accepted + r.accepted, dups + r.duplicates, r.dataset
         if dataset is None:
             raise InvalidArgument("dataset_id", "empty stream; send at least one message with samples")
-        return data_pb2.StreamSamplesResponse(accepted_count=accepted, duplicate_count=dups,
-                                              dataset=cv.dataset_pb(dataset))  # fmt: skip
+        return data_pb2.StreamSamplesResponse(
+            accepted_count=accepted, duplicate_count=dups, dataset=cv.dataset_pb(dataset)
+        )
 
     async def ListDatasets(self, request: data_pb2.ListDatasetsRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
@@ -98,8 +104,9 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
     async def ListSamples(self, request: data_pb2.ListSamplesRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         ds = v.check_id("dataset_id", request.dataset_id)
-        page, nxt = await asyncio.to_thread(self.s.samples.list_samples, app_id, ds, request.page_size,
-                                            request.page_token)  # fmt: skip
+        page, nxt = await asyncio.to_thread(
+            self.s.samples.list_samples, app_id, ds, request.page_size, request.page_token
+        )
         return data_pb2.ListSamplesResponse(samples=[cv.stored_sample_pb(x) for x in page], next_page_token=nxt)
 
     async def DeleteDataset(self, request: data_pb2.DeleteDatasetRequest, context: aio.ServicerContext) -> Any:
@@ -116,5 +123,9 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
             if request.app_id and request.app_id != target:
                 raise PermissionDenied("an app may only forget itself; leave app_id empty or name your own app")
         r = await asyncio.to_thread(forget_app, self.s, target, self.remove_window)
-        return data_pb2.ForgetAppResponse(deleted_samples=r.deleted_samples, deleted_adapters=r.deleted_adapters,
-                                          deleted_jobs=r.deleted_jobs, freed_bytes=r.freed_bytes)  # fmt: skip
+        return data_pb2.ForgetAppResponse(
+            deleted_samples=r.deleted_samples,
+            deleted_adapters=r.deleted_adapters,
+            deleted_jobs=r.deleted_jobs,
+            freed_bytes=r.freed_bytes,
+        )

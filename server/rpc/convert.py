@@ -14,19 +14,29 @@ ROLE_NAMES: dict[Any, str] = {
     common_pb2.ROLE_USER: "user",
     common_pb2.ROLE_ASSISTANT: "assistant",
 }
-BACKEND_NAMES: dict[Any, str] = {common_pb2.BACKEND_TORCH: "torch", common_pb2.BACKEND_ORT_CPU: "ort-cpu",
-                 common_pb2.BACKEND_QNN_HTP: "qnn-htp"}  # fmt: skip
+BACKEND_NAMES: dict[Any, str] = {
+    common_pb2.BACKEND_TORCH: "torch",
+    common_pb2.BACKEND_ORT_CPU: "ort-cpu",
+    common_pb2.BACKEND_QNN_HTP: "qnn-htp",
+}
 BACKEND_ENUMS: dict[str, Any] = {v: k for k, v in BACKEND_NAMES.items()}
 PROFILE_ENUMS: dict[str, Any] = {
     "phone": device_pb2.DEVICE_PROFILE_PHONE,
     "laptop": device_pb2.DEVICE_PROFILE_LAPTOP,
     "server": device_pb2.DEVICE_PROFILE_SERVER,
 }
-PRECISION_NAMES: dict[Any, str] = {common_pb2.PRECISION_FP32: "fp32", common_pb2.PRECISION_FP16: "fp16",
-                   common_pb2.PRECISION_W8A16: "w8a16", common_pb2.PRECISION_W8A8: "w8a8"}  # fmt: skip
+PRECISION_NAMES: dict[Any, str] = {
+    common_pb2.PRECISION_FP32: "fp32",
+    common_pb2.PRECISION_FP16: "fp16",
+    common_pb2.PRECISION_W8A16: "w8a16",
+    common_pb2.PRECISION_W8A8: "w8a8",
+}
 PRECISION_ENUMS: dict[str, Any] = {v: k for k, v in PRECISION_NAMES.items()}
-SCHEDULE_NAMES: dict[Any, str] = {common_pb2.LR_SCHEDULE_COSINE: "cosine", common_pb2.LR_SCHEDULE_LINEAR: "linear",
-                  common_pb2.LR_SCHEDULE_CONSTANT: "constant"}  # fmt: skip
+SCHEDULE_NAMES: dict[Any, str] = {
+    common_pb2.LR_SCHEDULE_COSINE: "cosine",
+    common_pb2.LR_SCHEDULE_LINEAR: "linear",
+    common_pb2.LR_SCHEDULE_CONSTANT: "constant",
+}
 SCHEDULE_ENUMS: dict[str, Any] = {v: k for k, v in SCHEDULE_NAMES.items()}
 FORMAT_NAMES: dict[Any, str] = {
     adapters_pb2.ADAPTER_FORMAT_UNSPECIFIED: "peft",
@@ -34,8 +44,11 @@ FORMAT_NAMES: dict[Any, str] = {
     adapters_pb2.ADAPTER_FORMAT_GGUF: "gguf",
     adapters_pb2.ADAPTER_FORMAT_MERGED: "merged",
 }
-FORMAT_ENUMS: dict[str, Any] = {"peft": adapters_pb2.ADAPTER_FORMAT_PEFT, "gguf": adapters_pb2.ADAPTER_FORMAT_GGUF,
-                "merged": adapters_pb2.ADAPTER_FORMAT_MERGED}  # fmt: skip
+FORMAT_ENUMS: dict[str, Any] = {
+    "peft": adapters_pb2.ADAPTER_FORMAT_PEFT,
+    "gguf": adapters_pb2.ADAPTER_FORMAT_GGUF,
+    "merged": adapters_pb2.ADAPTER_FORMAT_MERGED,
+}
 
 
 def state_pb(s: d.JobState) -> Any:
@@ -77,54 +90,88 @@ def sample_pb(b: d.SampleBody) -> common_pb2.Sample:
 
 def dataset_pb(x: d.Dataset) -> data_pb2.Dataset:
     """Dataset → proto."""
-    return data_pb2.Dataset(dataset_id=x.dataset_id, sample_count=x.sample_count, size_bytes=x.size_bytes,
-                            created_at_ms=x.created_at_ms, updated_at_ms=x.updated_at_ms)  # fmt: skip
+    return data_pb2.Dataset(
+        dataset_id=x.dataset_id,
+        sample_count=x.sample_count,
+        size_bytes=x.size_bytes,
+        created_at_ms=x.created_at_ms,
+        updated_at_ms=x.updated_at_ms,
+    )
 
 
 def stored_sample_pb(x: d.StoredSample) -> common_pb2.StoredSample:
     """StoredSample → proto."""
-    return common_pb2.StoredSample(sample_id=x.sample_id, created_at_ms=x.created_at_ms, size_bytes=x.size_bytes,
-                                   sample=sample_pb(x.body))  # fmt: skip
+    return common_pb2.StoredSample(
+        sample_id=x.sample_id, created_at_ms=x.created_at_ms, size_bytes=x.size_bytes, sample=sample_pb(x.body)
+    )
 
 
 # -- apps ----------------------------------------------------------------------------------------------------------
 def quota_from_pb(q: apps_pb2.AppQuota, cfg: Config) -> d.Quota:
     """AppQuota (zero = default) → Quota."""
     c = cfg.quotas
-    return d.Quota(q.max_samples or c.max_samples, q.max_sample_bytes or c.max_sample_bytes,
-                   q.max_adapters or c.max_adapters, q.max_active_jobs or c.max_active_jobs)  # fmt: skip
+    return d.Quota(
+        q.max_samples or c.max_samples,
+        q.max_sample_bytes or c.max_sample_bytes,
+        q.max_adapters or c.max_adapters,
+        q.max_active_jobs or c.max_active_jobs,
+    )
 
 
 def app_pb(a: d.App) -> apps_pb2.App:
     """App → proto."""
     q = a.quota
     return apps_pb2.App(
-        app_id=a.app_id, display_name=a.display_name, created_at_ms=a.created_at_ms,
-        quota=apps_pb2.AppQuota(max_samples=q.max_samples, max_sample_bytes=q.max_sample_bytes,
-                                max_adapters=q.max_adapters, max_active_jobs=q.max_active_jobs),
-        sample_count=a.sample_count, sample_bytes=a.sample_bytes,
-    )  # fmt: skip
+        app_id=a.app_id,
+        display_name=a.display_name,
+        created_at_ms=a.created_at_ms,
+        quota=apps_pb2.AppQuota(
+            max_samples=q.max_samples,
+            max_sample_bytes=q.max_sample_bytes,
+            max_adapters=q.max_adapters,
+            max_active_jobs=q.max_active_jobs,
+        ),
+        sample_count=a.sample_count,
+        sample_bytes=a.sample_bytes,
+    )
 
 
 # -- jobs ----------------------------------------------------------------------------------------------------------
 def training_raw(c: common_pb2.TrainingConfig) -> dict[str, Any]:
     """TrainingConfig → the plain dict validation.build_params checks (enum values → names, 0 = default)."""
     return {
-        "base_model": c.base_model, "rank": c.lora.rank, "alpha": c.lora.alpha, "dropout": c.lora.dropout,
-        "target_modules": list(c.lora.target_modules), "max_steps": c.max_steps, "learning_rate": c.learning_rate,
-        "batch_size": c.batch_size, "seq_len": c.seq_len, "grad_accum_steps": c.grad_accum_steps,
-        "warmup_steps": c.warmup_steps, "lr_schedule": SCHEDULE_NAMES.get(c.lr_schedule, ""),
-        "weight_decay": c.weight_decay, "max_grad_norm": c.max_grad_norm, "eval_every_steps": c.eval_every_steps,
-        "checkpoint_every_steps": c.checkpoint_every_steps, "seed": c.seed,
-        "backend": BACKEND_NAMES.get(c.backend, ""), "precision": PRECISION_NAMES.get(c.precision, ""),
-        "eval_fraction": c.eval_fraction, "init_adapter_id": c.init_adapter_id, "freeze_lora_a": c.freeze_lora_a,
-    }  # fmt: skip
+        "base_model": c.base_model,
+        "rank": c.lora.rank,
+        "alpha": c.lora.alpha,
+        "dropout": c.lora.dropout,
+        "target_modules": list(c.lora.target_modules),
+        "max_steps": c.max_steps,
+        "learning_rate": c.learning_rate,
+        "batch_size": c.batch_size,
+        "seq_len": c.seq_len,
+        "grad_accum_steps": c.grad_accum_steps,
+        "warmup_steps": c.warmup_steps,
+        "lr_schedule": SCHEDULE_NAMES.get(c.lr_schedule, ""),
+        "weight_decay": c.weight_decay,
+        "max_grad_norm": c.max_grad_norm,
+        "eval_every_steps": c.eval_every_steps,
+        "checkpoint_every_steps": c.checkpoint_every_steps,
+        "seed": c.seed,
+        "backend": BACKEND_NAMES.get(c.backend, ""),
+        "precision": PRECISION_NAMES.get(c.precision, ""),
+        "eval_fraction": c.eval_fraction,
+        "init_adapter_id": c.init_adapter_id,
+        "freeze_lora_a": c.freeze_lora_a,
+    }
 
 
 def requirements_raw(r: common_pb2.DeviceRequirements) -> dict[str, Any]:
     """DeviceRequirements → dict of the fields that are set."""
-    return {f: getattr(r, f) for f in ("require_charging", "min_battery_percent", "max_temperature_celsius",
-                                       "require_idle") if r.HasField(f)}  # fmt: skip
+    return {
+        f: getattr(r, f)
+        for f in ("require_charging", "min_battery_percent", "max_temperature_celsius", "require_idle")
+        if r.HasField(f)
+    }
 
 
 def params_pb(p: d.TrainingParams) -> common_pb2.TrainingConfig:
@@ -132,34 +179,55 @@ def params_pb(p: d.TrainingParams) -> common_pb2.TrainingConfig:
     return common_pb2.TrainingConfig(
         base_model=p.base_model,
         lora=common_pb2.LoraConfig(rank=p.rank, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules),
-        max_steps=p.max_steps, learning_rate=p.learning_rate, batch_size=p.batch_size, seq_len=p.seq_len,
-        grad_accum_steps=p.grad_accum_steps, warmup_steps=p.warmup_steps,
-        lr_schedule=SCHEDULE_ENUMS.get(p.lr_schedule, 0), weight_decay=p.weight_decay,
-        max_grad_norm=p.max_grad_norm, eval_every_steps=p.eval_every_steps,
-        checkpoint_every_steps=p.checkpoint_every_steps, seed=p.seed, backend=BACKEND_ENUMS.get(p.backend, 0),
-        precision=PRECISION_ENUMS.get(p.precision, 0), eval_fraction=p.eval_fraction,
-        init_adapter_id=p.init_adapter_id, freeze_lora_a=p.freeze_lora_a,
-    )  # fmt: skip
+        max_steps=p.max_steps,
+        learning_rate=p.learning_rate,
+        batch_size=p.batch_size,
+        seq_len=p.seq_len,
+        grad_accum_steps=p.grad_accum_steps,
+        warmup_steps=p.warmup_steps,
+        lr_schedule=SCHEDULE_ENUMS.get(p.lr_schedule, 0),
+        weight_decay=p.weight_decay,
+        max_grad_norm=p.max_grad_norm,
+        eval_every_steps=p.eval_every_steps,
+        checkpoint_every_steps=p.checkpoint_every_steps,
+        seed=p.seed,
+        backend=BACKEND_ENUMS.get(p.backend, 0),
+        precision=PRECISION_ENUMS.get(p.precision, 0),
+        eval_fraction=p.eval_fraction,
+        init_adapter_id=p.init_adapter_id,
+        freeze_lora_a=p.freeze_lora_a,
+    )
 
 
 def requirements_pb(r: d.Requirements) -> common_pb2.DeviceRequirements:
     """Requirements → proto (every field set)."""
-    return common_pb2.DeviceRequirements(require_charging=r.require_charging, min_battery_percent=r.min_battery_percent,
-                                         max_temperature_celsius=r.max_temperature_celsius,
-                                         require_idle=r.require_idle)  # fmt: skip
+    return common_pb2.DeviceRequirements(
+        require_charging=r.require_charging,
+        min_battery_percent=r.min_battery_percent,
+        max_temperature_celsius=r.max_temperature_celsius,
+        require_idle=r.require_idle,
+    )
 
 
 def window_pb(w: d.Window | None) -> common_pb2.TrainingWindow | None:
     """Window → proto (None stays unset)."""
-    return None if w is None else common_pb2.TrainingWindow(cron=w.cron, jitter_seconds=w.jitter_seconds,
-                                                            timezone=w.timezone)  # fmt: skip
+    return (
+        None
+        if w is None
+        else common_pb2.TrainingWindow(cron=w.cron, jitter_seconds=w.jitter_seconds, timezone=w.timezone)
+    )
 
 
 def progress_pb(p: d.Progress) -> jobs_pb2.JobProgress:
     """Progress → proto (optional fields only when known)."""
-    out = jobs_pb2.JobProgress(step=p.step, total_steps=p.total_steps, train_loss=p.train_loss,
-                               tokens_per_second=p.tokens_per_second, learning_rate=p.learning_rate,
-                               tokens_seen=p.tokens_seen)  # fmt: skip
+    out = jobs_pb2.JobProgress(
+        step=p.step,
+        total_steps=p.total_steps,
+        train_loss=p.train_loss,
+        tokens_per_second=p.tokens_per_second,
+        learning_rate=p.learning_rate,
+        tokens_seen=p.tokens_seen,
+    )
     if p.eval_loss is not None:
         out.eval_loss = p.eval_loss
     if p.eval_loss_before is not None:
@@ -180,9 +248,13 @@ def data_pb(s: d.DataSummary) -> jobs_pb2.JobData:
             known[reason] += n
         else:
             other += n
-    return jobs_pb2.JobData(total_samples=s.total_samples, train_samples=s.train_samples,
-                            eval_samples=s.eval_samples, train_tokens=s.train_tokens,
-                            rejected=jobs_pb2.RejectedSamples(**known, other=other))  # fmt: skip
+    return jobs_pb2.JobData(
+        total_samples=s.total_samples,
+        train_samples=s.train_samples,
+        eval_samples=s.eval_samples,
+        train_tokens=s.train_tokens,
+        rejected=jobs_pb2.RejectedSamples(**known, other=other),
+    )
 
 
 def _set_phase(out: jobs_pb2.Job | jobs_pb2.JobEvent, state: d.JobState, p: d.Progress) -> None:
@@ -196,13 +268,23 @@ def _set_phase(out: jobs_pb2.Job | jobs_pb2.JobEvent, state: d.JobState, p: d.Pr
 def job_pb(j: d.Job) -> jobs_pb2.Job:
     """Job → proto."""
     out = jobs_pb2.Job(
-        job_id=j.job_id, request_id=j.request_id, dataset_ids=j.spec.dataset_ids, config=params_pb(j.spec.params),
-        requirements=requirements_pb(j.spec.requirements), state=state_pb(j.state),
+        job_id=j.job_id,
+        request_id=j.request_id,
+        dataset_ids=j.spec.dataset_ids,
+        config=params_pb(j.spec.params),
+        requirements=requirements_pb(j.spec.requirements),
+        state=state_pb(j.state),
         blocked_reason=blocked_pb(j.blocked),
-        blocked_detail=j.blocked_detail, progress=progress_pb(j.progress), adapter_id=j.adapter_id, backend=j.backend,
-        schedule_id=j.schedule_id, created_at_ms=j.created_at_ms, started_at_ms=j.started_at_ms,
-        finished_at_ms=j.finished_at_ms, data_until_ms=j.data_until_ms,
-    )  # fmt: skip
+        blocked_detail=j.blocked_detail,
+        progress=progress_pb(j.progress),
+        adapter_id=j.adapter_id,
+        backend=j.backend,
+        schedule_id=j.schedule_id,
+        created_at_ms=j.created_at_ms,
+        started_at_ms=j.started_at_ms,
+        finished_at_ms=j.finished_at_ms,
+        data_until_ms=j.data_until_ms,
+    )
     w = window_pb(j.spec.window)
     if w is not None:
         out.window.CopyFrom(w)
@@ -214,18 +296,28 @@ def job_pb(j: d.Job) -> jobs_pb2.Job:
 
 def checkpoint_pb(c: d.CheckpointRec) -> jobs_pb2.Checkpoint:
     """CheckpointRec → proto (the path stays private)."""
-    return jobs_pb2.Checkpoint(checkpoint_id=c.checkpoint_id, job_id=c.job_id, step=c.step,
-                               created_at_ms=c.created_at_ms, size_bytes=c.size_bytes,
-                               train_loss=c.train_loss)  # fmt: skip
+    return jobs_pb2.Checkpoint(
+        checkpoint_id=c.checkpoint_id,
+        job_id=c.job_id,
+        step=c.step,
+        created_at_ms=c.created_at_ms,
+        size_bytes=c.size_bytes,
+        train_loss=c.train_loss,
+    )
 
 
 def event_pb(e: d.JobEvent) -> jobs_pb2.JobEvent:
     """JobEvent → proto."""
     out = jobs_pb2.JobEvent(
-        event_id=e.event_id, job_id=e.job_id, time_ms=e.time_ms,
-        kind=jobs_pb2.JobEventKind.Value(f"JOB_EVENT_KIND_{e.kind.name}"), state=state_pb(e.state),
-        blocked_reason=blocked_pb(e.blocked), progress=progress_pb(e.progress), message=e.message,
-    )  # fmt: skip
+        event_id=e.event_id,
+        job_id=e.job_id,
+        time_ms=e.time_ms,
+        kind=jobs_pb2.JobEventKind.Value(f"JOB_EVENT_KIND_{e.kind.name}"),
+        state=state_pb(e.state),
+        blocked_reason=blocked_pb(e.blocked),
+        progress=progress_pb(e.progress),
+        message=e.message,
+    )
     if e.checkpoint is not None:
         out.checkpoint.CopyFrom(checkpoint_pb(e.checkpoint))
     if e.error_code:
@@ -236,9 +328,14 @@ def event_pb(e: d.JobEvent) -> jobs_pb2.JobEvent:
 
 def schedule_pb(s: d.Schedule) -> jobs_pb2.Schedule:
     """Schedule → proto."""
-    out = jobs_pb2.Schedule(schedule_id=s.schedule_id, dataset_ids=s.spec.dataset_ids, config=params_pb(s.spec.params),
-                            requirements=requirements_pb(s.spec.requirements), next_run_at_ms=s.next_run_at_ms,
-                            created_at_ms=s.created_at_ms)  # fmt: skip
+    out = jobs_pb2.Schedule(
+        schedule_id=s.schedule_id,
+        dataset_ids=s.spec.dataset_ids,
+        config=params_pb(s.spec.params),
+        requirements=requirements_pb(s.spec.requirements),
+        next_run_at_ms=s.next_run_at_ms,
+        created_at_ms=s.created_at_ms,
+    )
     w = window_pb(s.spec.window)
     if w is not None:
         out.window.CopyFrom(w)
@@ -249,17 +346,27 @@ def schedule_pb(s: d.Schedule) -> jobs_pb2.Schedule:
 def adapter_pb(a: d.AdapterRec) -> adapters_pb2.Adapter:
     """AdapterRec → proto (the path stays private)."""
     return adapters_pb2.Adapter(
-        adapter_id=a.adapter_id, job_id=a.job_id, base_model=a.base_model, base_model_sha256=a.base_model_sha256,
+        adapter_id=a.adapter_id,
+        job_id=a.job_id,
+        base_model=a.base_model,
+        base_model_sha256=a.base_model_sha256,
         tokenizer_sha256=a.tokenizer_sha256,
         lora=common_pb2.LoraConfig(rank=a.rank, alpha=a.alpha, dropout=a.dropout, target_modules=a.target_modules),
-        steps=a.steps, eval_loss_before=a.eval_loss_before, eval_loss_after=a.eval_loss_after,
+        steps=a.steps,
+        eval_loss_before=a.eval_loss_before,
+        eval_loss_after=a.eval_loss_after,
         train_loss=a.train_loss,
-        precision_plan=[adapters_pb2.LayerPrecision(layer=lay, forward=PRECISION_ENUMS.get(f, 0),
-                                                    backward=PRECISION_ENUMS.get(b, 0))
-                        for lay, f, b in a.precision_plan],
-        data_until_ms=a.data_until_ms, sample_count=a.sample_count, created_at_ms=a.created_at_ms,
+        precision_plan=[
+            adapters_pb2.LayerPrecision(
+                layer=lay, forward=PRECISION_ENUMS.get(f, 0), backward=PRECISION_ENUMS.get(b, 0)
+            )
+            for lay, f, b in a.precision_plan
+        ],
+        data_until_ms=a.data_until_ms,
+        sample_count=a.sample_count,
+        created_at_ms=a.created_at_ms,
         size_bytes=a.size_bytes,
-    )  # fmt: skip
+    )
 
 
 # -- device --------------------------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self.s = s
         self.scheduler = scheduler
 
-    def _spec(self, dataset_ids: Any, config: Any, requirements: Any, window: Any, has_window: bool, *,
-              app_id: str) -> JobSpec:  # fmt: skip
+    def _spec(
+        self, dataset_ids: Any, config: Any, requirements: Any, window: Any, has_window: bool, *, app_id: str
+    ) -> JobSpec:
         ids = v.check_dataset_ids("dataset_ids", list(dataset_ids))
         params = v.build_params(cv.training_raw(config))
         self.s.models.entry(params.base_model)
@@ -45,8 +46,14 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
     async def CreateJob(self, request: jobs_pb2.CreateJobRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         rid = v.check_request_id(request.request_id)
-        spec = self._spec(request.dataset_ids, request.config, request.requirements, request.window,
-                          request.HasField("window"), app_id=app_id)  # fmt: skip
+        spec = self._spec(
+            request.dataset_ids,
+            request.config,
+            request.requirements,
+            request.window,
+            request.HasField("window"),
+            app_id=app_id,
+        )
         job = await asyncio.to_thread(self.s.manager.create, app_id, rid, spec)
         return jobs_pb2.CreateJobResponse(job=cv.job_pb(job))
 
@@ -86,8 +93,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             self.scheduler.remove(f"window:{job_id}")
         return jobs_pb2.CancelJobResponse(job=cv.job_pb(job))
 
-    async def WatchJob(self, request: jobs_pb2.WatchJobRequest,
-                       context: aio.ServicerContext) -> AsyncIterator[jobs_pb2.WatchJobResponse]:  # fmt: skip
+    async def WatchJob(
+        self, request: jobs_pb2.WatchJobRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[jobs_pb2.WatchJobResponse]:
         p = principal()
         app_id = p.require_app()
         job_id = v.check_server_id("job_id", request.job_id)
@@ -118,8 +126,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
     async def ListJobEvents(self, request: jobs_pb2.ListJobEventsRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         job_id = v.check_server_id("job_id", request.job_id)
-        events, more = await asyncio.to_thread(self.s.manager.events, app_id, job_id, request.after_event_id,
-                                               page_size(request.page_size))  # fmt: skip
+        events, more = await asyncio.to_thread(
+            self.s.manager.events, app_id, job_id, request.after_event_id, page_size(request.page_size)
+        )
         return jobs_pb2.ListJobEventsResponse(events=[cv.event_pb(e) for e in events], has_more=more)
 
     async def ListCheckpoints(self, request: jobs_pb2.ListCheckpointsRequest, context: aio.ServicerContext) -> Any:

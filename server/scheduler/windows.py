@@ -44,8 +44,9 @@ def trigger_for(w: Window, default_tz: str) -> CronTrigger:
 class WindowScheduler:
     """Owns the AsyncIOScheduler; registers job windows and schedules; turns firings into manager calls."""
 
-    def __init__(self, db_url: str, manager: JobManager, schedules: ScheduleRepo, misfire_grace_hours: float,
-                 timezone: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, db_url: str, manager: JobManager, schedules: ScheduleRepo, misfire_grace_hours: float, timezone: str = ""
+    ) -> None:
         self.manager, self.schedules, self.timezone = manager, schedules, timezone
         self.grace_s = int(misfire_grace_hours * 3600)
         self.aps = AsyncIOScheduler(
@@ -69,8 +70,15 @@ class WindowScheduler:
         _active = None
 
     def _add(self, aps_id: str, kind: str, ident: str, w: Window) -> None:
-        self.aps.add_job(fire, trigger_for(w, self.timezone), args=(kind, ident), id=aps_id, replace_existing=True,
-                         coalesce=True, misfire_grace_time=self.grace_s)  # fmt: skip
+        self.aps.add_job(
+            fire,
+            trigger_for(w, self.timezone),
+            args=(kind, ident),
+            id=aps_id,
+            replace_existing=True,
+            coalesce=True,
+            misfire_grace_time=self.grace_s,
+        )
 
     def add_job_window(self, job: Job) -> None:
         """A job waits for its window: it opens once, at the next firing."""
@@ -124,5 +132,7 @@ class WindowScheduler:
 
 def describe(aps: Any) -> list[dict[str, Any]]:
     """Registered windows (for tests and debugging)."""
-    return [{"id": j.id, "next": j.next_run_time, "coalesce": j.coalesce, "grace": j.misfire_grace_time}
-            for j in aps.get_jobs()]  # fmt: skip
+    return [
+        {"id": j.id, "next": j.next_run_time, "coalesce": j.coalesce, "grace": j.misfire_grace_time}
+        for j in aps.get_jobs()
+    ]

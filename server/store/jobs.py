@@ -32,32 +32,61 @@ from lorad.server.store.db import Database, decode_cursor, encode_cursor, new_id
 
 def _job(r: sqlite3.Row) -> Job:
     return Job(
-        job_id=r["job_id"], app_id=r["app_id"], request_id=r["request_id"], spec=spec_from_json(r["spec"]),
-        state=JobState(r["state"]), blocked=Blocked(r["blocked"]), blocked_detail=r["blocked_detail"],
-        progress=progress_from_json(r["progress"]), error_code=r["error_code"], error_message=r["error_message"],
-        adapter_id=r["adapter_id"], backend=r["backend"], schedule_id=r["schedule_id"],
-        created_at_ms=r["created_at_ms"], started_at_ms=r["started_at_ms"], finished_at_ms=r["finished_at_ms"],
+        job_id=r["job_id"],
+        app_id=r["app_id"],
+        request_id=r["request_id"],
+        spec=spec_from_json(r["spec"]),
+        state=JobState(r["state"]),
+        blocked=Blocked(r["blocked"]),
+        blocked_detail=r["blocked_detail"],
+        progress=progress_from_json(r["progress"]),
+        error_code=r["error_code"],
+        error_message=r["error_message"],
+        adapter_id=r["adapter_id"],
+        backend=r["backend"],
+        schedule_id=r["schedule_id"],
+        created_at_ms=r["created_at_ms"],
+        started_at_ms=r["started_at_ms"],
+        finished_at_ms=r["finished_at_ms"],
         data_until_ms=r["data_until_ms"],
-    )  # fmt: skip
+    )
 
 
 def _event(r: sqlite3.Row) -> JobEvent:
     return JobEvent(
-        job_id=r["job_id"], event_id=r["event_id"], time_ms=r["time_ms"], kind=EventKind(r["kind"]),
-        state=JobState(r["state"]), blocked=Blocked(r["blocked"]), progress=progress_from_json(r["progress"]),
-        checkpoint=checkpoint_from_json(r["checkpoint"]), message=r["message"], error_code=r["error_code"],
+        job_id=r["job_id"],
+        event_id=r["event_id"],
+        time_ms=r["time_ms"],
+        kind=EventKind(r["kind"]),
+        state=JobState(r["state"]),
+        blocked=Blocked(r["blocked"]),
+        progress=progress_from_json(r["progress"]),
+        checkpoint=checkpoint_from_json(r["checkpoint"]),
+        message=r["message"],
+        error_code=r["error_code"],
         error_message=r["error_message"],
-    )  # fmt: skip
+    )
 
 
-def _insert_event(c: sqlite3.Connection, job: Job, kind: EventKind, message: str = "",
-                  checkpoint: CheckpointRec | None = None) -> JobEvent:  # fmt: skip
+def _insert_event(
+    c: sqlite3.Connection, job: Job, kind: EventKind, message: str = "", checkpoint: CheckpointRec | None = None
+) -> JobEvent:
     cur = c.execute(
         "INSERT INTO job_events(job_id, time_ms, kind, state, blocked, progress, checkpoint, message, error_code,"
         " error_message) VALUES (?,?,?,?,?,?,?,?,?,?)",
-        (job.job_id, now_ms(), kind.value, job.state.value, job.blocked.value, progress_to_json(job.progress),
-         checkpoint_to_json(checkpoint), message, job.error_code, job.error_message),
-    )  # fmt: skip
+        (
+            job.job_id,
+            now_ms(),
+            kind.value,
+            job.state.value,
+            job.blocked.value,
+            progress_to_json(job.progress),
+            checkpoint_to_json(checkpoint),
+            message,
+            job.error_code,
+            job.error_message,
+        ),
+    )
     row = c.execute("SELECT * FROM job_events WHERE event_id=?", (cur.lastrowid,)).fetchone()
     return _event(row)
 
@@ -76,8 +105,16 @@ class JobRepo:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, app_id: str, request_id: str, spec: JobSpec, state: JobState, blocked: Blocked,  # noqa: PLR0917
-               max_active: int, schedule_id: str = "") -> tuple[Job, bool]:  # fmt: skip
+    def create(  # noqa: PLR0917
+        self,
+        app_id: str,
+        request_id: str,
+        spec: JobSpec,
+        state: JobState,
+        blocked: Blocked,
+        max_active: int,
+        schedule_id: str = "",
+    ) -> tuple[Job, bool]:
         """Creates a job, or returns the existing one for a retried request_id with the same spec.
 
         Returns:
@@ -150,9 +187,18 @@ class JobRepo:
             rows = c.execute(f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(st))}) ORDER BY seq", st)
             return [_job(r) for r in rows.fetchall()]
 
-    def transition(self, job_id: str, allowed_from: Collection[JobState], to: JobState, *,
-                   app_id: str | None = None, blocked: Blocked = Blocked.NONE, detail: str = "", message: str = "",
-                   **fields: Any) -> tuple[Job, JobEvent | None]:  # fmt: skip
+    def transition(
+        self,
+        job_id: str,
+        allowed_from: Collection[JobState],
+        to: JobState,
+        *,
+        app_id: str | None = None,
+        blocked: Blocked = Blocked.NONE,
+        detail: str = "",
+        message: str = "",
+        **fields: Any,
+    ) -> tuple[Job, JobEvent | None]:
         """Moves a job to ``to`` if its state is in ``allowed_from``, writing a STATE_CHANGED event.
 
         A change of only the blocked reason/detail (same state) is written without a new event unless the reason
@@ -180,8 +226,15 @@ class JobRepo:
             event = None if same else _insert_event(c, job, EventKind.STATE_CHANGED, message)
         return job, event
 
-    def record(self, job_id: str, kind: EventKind, *, progress: Progress | None = None, message: str = "",
-               checkpoint: CheckpointRec | None = None) -> tuple[Job, JobEvent]:  # fmt: skip
+    def record(
+        self,
+        job_id: str,
+        kind: EventKind,
+        *,
+        progress: Progress | None = None,
+        message: str = "",
+        checkpoint: CheckpointRec | None = None,
+    ) -> tuple[Job, JobEvent]:
         """Appends a PROGRESS / EVAL / CHECKPOINT / NOTICE event (and stores the new progress)."""
         with self.db.tx() as c:
             if progress is not None:
@@ -190,9 +243,16 @@ class JobRepo:
                 c.execute(
                     "INSERT INTO checkpoints(checkpoint_id, job_id, step, created_at_ms, size_bytes, train_loss, path)"
                     " VALUES (?,?,?,?,?,?,?)",
-                    (checkpoint.checkpoint_id, job_id, checkpoint.step, checkpoint.created_at_ms,
-                     checkpoint.size_bytes, checkpoint.train_loss, checkpoint.path),
-                )  # fmt: skip
+                    (
+                        checkpoint.checkpoint_id,
+                        job_id,
+                        checkpoint.step,
+                        checkpoint.created_at_ms,
+                        checkpoint.size_bytes,
+                        checkpoint.train_loss,
+                        checkpoint.path,
+                    ),
+                )
             job = _load(c, job_id, None)
             return job, _insert_event(c, job, kind, message, checkpoint)
 

@@ -18,8 +18,10 @@ class ScheduleRepo:
         """Stores a new schedule."""
         s = Schedule(new_id("sch"), app_id, spec, now_ms())
         with self.db.tx() as c:
-            c.execute("INSERT INTO schedules(schedule_id, app_id, spec, created_at_ms) VALUES (?,?,?,?)",
-                      (s.schedule_id, app_id, spec_to_json(spec), s.created_at_ms))  # fmt: skip
+            c.execute(
+                "INSERT INTO schedules(schedule_id, app_id, spec, created_at_ms) VALUES (?,?,?,?)",
+                (s.schedule_id, app_id, spec_to_json(spec), s.created_at_ms),
+            )
         return s
 
     def for_app(self, app_id: str | None) -> list[Schedule]:
