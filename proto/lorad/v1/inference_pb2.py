@@ -25,13 +25,14 @@ _sym_db = _symbol_database.Default()
 from lorad.v1 import common_pb2 as lorad_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lorad/v1/inference.proto\x12\x08lorad.v1\x1a\x15lorad/v1/common.proto\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0e.lorad.v1.ChatH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nbase_model\x18\t \x01(\t\x12\x19\n\x11\x65xtra_adapter_ids\x18\n \x03(\t\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x42\x08\n\x06prompt\"\x80\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.lorad.v1.FinishReason\x12\x1a\n\x12prompt_token_count\x18\x04 \x01(\r*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x03\x32W\n\x10InferenceService\x12\x43\n\x08Generate\x12\x19.lorad.v1.GenerateRequest\x1a\x1a.lorad.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lorad/v1/inference.proto\x12\x08lorad.v1\x1a\x15lorad/v1/common.proto\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1e\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0e.lorad.v1.ChatH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nbase_model\x18\t \x01(\t\x12\x19\n\x11\x65xtra_adapter_ids\x18\n \x03(\t\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x42\x08\n\x06prompt\"\x80\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.lorad.v1.FinishReason\x12\x1a\n\x12prompt_token_count\x18\x04 \x01(\r*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x03\x32W\n\x10InferenceService\x12\x43\n\x08Generate\x12\x19.lorad.v1.GenerateRequest\x1a\x1a.lorad.v1.GenerateResponse0\x01\x42\x37\n\x0c\x64\x65v.lorad.v1P\x01Z%lorad.dev/api/gen/go/lorad/v1;loradv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorad.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\014dev.lorad.v1P\001Z%lorad.dev/api/gen/go/lorad/v1;loradv1'
   _globals['_FINISHREASON']._serialized_start=449
   _globals['_FINISHREASON']._serialized_end=571
   _globals['_GENERATEREQUEST']._serialized_start=62

@@ -96,3 +96,14 @@ def test_job_states_are_the_documented_lifecycle(files: list[descriptor_pb2.File
         "FAILED",
         "CANCELLED",
     ]
+
+
+def test_every_proto_names_its_java_and_go_packages(files: list[descriptor_pb2.FileDescriptorProto]) -> None:
+    for f in files:
+        o = f.options
+        assert (o.java_package, o.java_multiple_files) == ("dev.lorad.v1", True), f.name
+        assert o.go_package == "lorad.dev/api/gen/go/lorad/v1;loradv1", f.name
+    # java_multiple_files: each message is a top-level class, so no message may share the file's outer class name.
+    for f in files:
+        outer = "".join(w.title() for w in Path(f.name).stem.split("_"))
+        assert outer not in {m.name for m in f.message_type} | {e.name for e in f.enum_type}, f.name
