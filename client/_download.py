@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 import grpc
 
+from lorad.client._atomic import replace_durably
 from lorad.client.errors import IntegrityError, InvalidArgument, LoradError, Unavailable
 from lorad.client.retry import RetryPolicy
 from lorad.client.types import AdapterFormat, DownloadResult
@@ -154,12 +155,7 @@ class PartFile:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self.close()
-        self.part.replace(self.final)
-        dir_fd = os.open(self.final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        replace_durably(self.part, self.final)
         return DownloadResult(str(self.final), self._size, digest, fmt, resumed_from)
 
     def discard(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorad.client._atomic import atomic_write_text
 from lorad.client.errors import ConfigurationError
 
 ENV_TARGET = "LORAD_TARGET"
@@ -200,13 +201,9 @@ def save_token(token: str, target: str | None = None, path: Path | None = None) 
         data["target"] = target
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     lines = [f"{k} = {_toml_value(v)}" for k, v in data.items()]
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write("# lorad client settings (written by `lorad app register --save`)\n" + "\n".join(lines) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+    # atomic_write's temp file is mode 0600 and the token file keeps it.
+    header = "# lorad client settings (written by `lorad app register --save`)\n"
+    atomic_write_text(path, header + "\n".join(lines) + "\n")
     return path
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorad.server.engine.models.atomic import atomic_write
 from lorad.server.errors import PermissionDenied, Unauthenticated
 from lorad.server.store.apps import AppRepo
 
@@ -58,13 +58,7 @@ def ensure_owner_token(data_dir: Path) -> str:
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
     token = new_token()
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write(path, lambda f: f.write(f"{token}\n".encode()))  # the temp file is mode 0600 and path keeps it
     return token
 
 

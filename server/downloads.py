@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import tarfile
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 from safetensors import SafetensorError
 
 from lorad.server.domain import AdapterRec
+from lorad.server.engine.models.atomic import atomic_write
 from lorad.server.errors import FailedPrecondition
 from lorad.server.jobs.files import remove_tree
 from lorad.server.modelhost import ModelHost
@@ -33,27 +34,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_replace(tmp: Path, dest: Path) -> None:
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
-    tmp.replace(dest)
-    fd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _tar_dir(src: Path, dest: Path) -> None:
-    tmp = dest.with_name(f".tmp-{dest.name}")
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        for p in sorted(src.iterdir()):
-            # Fixed metadata so the same adapter always gives the same bytes (and sha256).
-            info = tar.gettarinfo(str(p), arcname=p.name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            with p.open("rb") as f:
-                tar.addfile(info, f)
-    _fsync_replace(tmp, dest)
+    def write(out: BinaryIO) -> None:
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for p in sorted(src.iterdir()):
+                # Fixed metadata so the same adapter always gives the same bytes (and sha256).
+                info = tar.gettarinfo(str(p), arcname=p.name)
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                with p.open("rb") as f:
+                    tar.addfile(info, f)
+
+    atomic_write(dest, write, tmp_prefix=".tmp-")
 
 
 def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
@@ -63,9 +54,8 @@ def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
 
     entry = models.entry(rec.base_model, field="adapter_id")
     ck = resolve(entry.source, models.cache_root)
-    tmp = dest.with_name(f".tmp-{dest.name}")
-    export_gguf_lora(load_adapter(Path(rec.path)), tmp, read_config(ck.path), name=f"lorad {rec.adapter_id}")
-    _fsync_replace(tmp, dest)
+    # export_gguf_lora writes crash-safely itself (temp, fsync, rename).
+    export_gguf_lora(load_adapter(Path(rec.path)), dest, read_config(ck.path), name=f"lorad {rec.adapter_id}")
 
 
 def _merged(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
@@ -118,7 +108,5 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, in
                     f"cannot export {fmt}: adapter {rec.adapter_id} is corrupt on disk "
                     f"({type(exc).__name__}); delete it and train again"
                 ) from None
-            tmp = digest.with_name(".tmp-" + digest.name)
-            tmp.write_text(_sha256(dest))
-            _fsync_replace(tmp, digest)
+            atomic_write(digest, lambda f: f.write(_sha256(dest).encode()), tmp_prefix=".tmp-")
     return dest, dest.stat().st_size, digest.read_text().strip(), name

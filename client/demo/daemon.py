@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from lorad.client._atomic import atomic_write_text
 from lorad.client.errors import Unavailable
 
 # What a phone on its charger at night reports; the demo starts unplugged to show the gate.
@@ -22,9 +23,7 @@ UNPLUGGED: dict[str, object] = {"battery_percent": 38, "charging": False, "tempe
 
 def write_probe(path: Path, readings: dict[str, object]) -> None:
     """Atomically rewrites the fake probe file the daemon reads (conditions.probe = "file")."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(readings), encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(readings))
 
 
 def daemon_config(data_dir: Path, probe_file: Path, torch_threads: int) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from lorad.client.demo.daemon import write_probe
 from lorad.server.config import build_config
 from lorad.v1 import (
     apps_pb2,
@@ -59,9 +59,7 @@ class DaemonHandle:
         self.channels: list[grpc.Channel] = []
 
     def set_probe(self, values: dict[str, Any]) -> None:
-        tmp = self.probe_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(values))
-        tmp.replace(self.probe_file)
+        write_probe(self.probe_file, values)
 
     def channel(self, tcp: bool = False) -> grpc.Channel:
         target = f"127.0.0.1:{self.daemon.tcp_port}" if tcp else f"unix:{self.daemon.socket_path}"

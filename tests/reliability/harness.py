@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorad.client._atomic import atomic_write_text
 from lorad.v1 import (
     adapters_pb2_grpc,
     apps_pb2,
@@ -48,9 +49,7 @@ def tiny_model(root: Path) -> Path:
 
 def write_probe(path: Path, values: dict[str, Any]) -> None:
     """Atomically rewrites the fake device probe file (the daemon's `probe = "file"` source)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(values))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(values))
 
 
 def config_values(data_dir: Path, model_dir: Path, probe_file: Path | None, **sections: dict[str, Any]) -> dict:
