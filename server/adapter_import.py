@@ -126,7 +126,7 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
     """
     from lorad.server.engine.adapters import AdapterMetadata, load_adapter
     from lorad.server.engine.models.config import TARGET_TO_HF
-    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.models.loader import portable_base_name, resolve
 
     quota = s.apps.get(app_id).quota
     if s.adapters.count(app_id) >= quota.max_adapters:
@@ -161,7 +161,7 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
             alpha=lora.alpha,
             targets=tuple(lora.targets),
             backend="imported",
-            base_model_source=str(entry.source or entry.name),
+            base_model_source=portable_base_name(entry.source),
         )
         from lorad.server.engine.adapters.metadata import METADATA_FILE
 

@@ -150,6 +150,11 @@ class EngineSession:
 
         def save(model: Any, out: Path, meta: dict[str, Any]) -> Path:
             from lorad.server.engine.adapters import Adapter, AdapterMetadata, save_adapter
+            from lorad.server.engine.models.loader import portable_base_name
+
+            # The hub id PEFT can load (or the folder's name), never this device's path; the content hash in
+            # lorad_metadata.json says exactly which weights.
+            base_name = portable_base_name(entry.source)
 
             state["meta"] = meta
             losses = meta.get("eval_losses") or []
@@ -161,9 +166,9 @@ class EngineSession:
                 data_window={"samples": len(self.req.samples), **(meta.get("data_report") or {})},
                 metrics={k: float(v) for k, v in (("train_loss", meta.get("final_loss")),
                                                   ("eval_loss", losses[-1][1] if losses else None)) if v is not None},
-                base_model_source=str(entry.source or entry.name),
+                base_model_source=base_name,
             )  # fmt: skip
-            return save_adapter(out, Adapter.from_model(model, md), base_name_or_path=str(entry.source or entry.name))
+            return save_adapter(out, Adapter.from_model(model, md), base_name_or_path=base_name)
 
         samples = _training_samples(self.req.samples)
         before = self.req.eval_loss_before

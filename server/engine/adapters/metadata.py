@@ -27,7 +27,7 @@ class AdapterMetadata:
     steps: int = 0
     metrics: dict[str, float] = field(default_factory=dict, metadata={"help": "e.g. {train_loss, eval_loss}"})
     created_at: float = field(default_factory=time.time, metadata={"help": "unix seconds"})
-    base_model_source: str = ""
+    base_model_source: str = field(default="", metadata={"help": "hub id or folder name of the base, never a path"})
     version: int = METADATA_VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,29 @@ from lorad.server.engine.models.tokenizer import ChatTokenizer
 log = structlog.get_logger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The Hugging Face model DEFAULT_GGUF was converted from: what PEFT (AutoPeftModelForCausalLM) loads as the base.
+DEFAULT_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def portable_base_name(source: str | Path | None) -> str:
+    """The name an exported adapter records for its base (PEFT's base_model_name_or_path), never a device path.
+
+    None (the bundled model) gives DEFAULT_HF_ID; a Hugging Face folder whose config.json names the hub id it was
+    saved from (``_name_or_path`` = "org/name") gives that id; any other folder or file gives its base name.
+    """
+    if source is None:
+        return DEFAULT_HF_ID
+    p = Path(source)
+    cfg = p / "config.json"
+    if cfg.is_file():
+        try:
+            named = json.loads(cfg.read_text()).get("_name_or_path", "")
+        except (OSError, ValueError, AttributeError):
+            named = ""
+        if isinstance(named, str) and _HUB_ID.fullmatch(named):
+            return named
+    return p.name
 
 
 def default_model_path() -> Path:

@@ -182,3 +182,28 @@ def test_a_single_usable_sample_warns_that_no_held_out_loss_will_come(tiny: Path
     warnings = [v for k, v in sink.log if k == "warning"]
     assert len(warnings) == 1 and "no held-out samples" in warnings[0]
     assert sink.before == [] and sink.data_summaries[0].eval_samples == 0
+
+
+def test_exported_peft_config_names_a_portable_base_and_metadata_keeps_the_content_hash(
+    tiny: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from lorad.server.engine.models.loader import DEFAULT_HF_ID, portable_base_name
+
+    _, art = _run(tiny, tmp_path / "a", None, steps=1)
+    cfg = json.loads((art.path / "adapter_config.json").read_text())
+    meta = json.loads((art.path / "lorad_metadata.json").read_text())
+    # A folder model records its name, never this device's absolute path; the hash pins the exact weights.
+    assert cfg["base_model_name_or_path"] == tiny.name and not cfg["base_model_name_or_path"].startswith("/")
+    assert meta["base_model_source"] == tiny.name
+    assert len(meta["base_model_hash"]) == 64 and meta["base_model_hash"] == art.base_model_sha256
+
+    assert portable_base_name(None) == DEFAULT_HF_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    saved_from_hub = tmp_path / "my-copy"
+    saved_from_hub.mkdir()
+    (saved_from_hub / "config.json").write_text(json.dumps({"_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}))
+    assert portable_base_name(saved_from_hub) == "Qwen/Qwen2.5-0.5B-Instruct"
+    (saved_from_hub / "config.json").write_text(json.dumps({"_name_or_path": "/home/u/models/x"}))
+    assert portable_base_name(saved_from_hub) == "my-copy"
+    assert portable_base_name(Path("/data/models/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct.Q4_1.gguf"
