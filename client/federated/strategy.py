@@ -85,6 +85,7 @@ class LoraFedAvg(FedAvg):
         self.round_seconds: dict[int, float] = {}  # wall time from sending to aggregating, s
         self._started: dict[int, float] = {}
         self._current: ArrayRecord | None = None  # the global arrays sent this round
+        self._sent: list[Message] = []
 
     # -- the global state -----------------------------------------------------------------------------------------
     def initial_tensors(self) -> Arrays:
@@ -130,14 +131,17 @@ class LoraFedAvg(FedAvg):
         for k, val in self.plan().items():
             config[k] = val
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._sent = messages  # the grid fills in their message ids when it pushes them
         for m in messages:
             self.ledger.add(server_round, m.metadata.dst_node_id, "down", payload_bytes(m.content), "sent")
         return messages
 
     def _screen(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         accepted = []
+        # An error reply (e.g. the device vanished) comes from the SuperLink: attribute it to the node it replies for.
+        dst = {m.metadata.message_id: m.metadata.dst_node_id for m in self._sent if m.metadata.message_id}
         for msg in replies:
-            node = msg.metadata.src_node_id
+            node = dst.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
             status, reason = reply_status(msg)
             nbytes = 0 if msg.has_error() else payload_bytes(msg.content)
             if status == "ok":

@@ -186,6 +186,10 @@ def test_three_devices_three_rounds_decline_and_sigkill(tmp_path: Path, tiny_lla
     assert r3_new, ups
     accepted_r2 = [e for e in ups if e.round == 2 and e.status == "accepted"]
     assert len(accepted_r2) == 1, ups
+    failed_r2 = [e for e in ups if e.round == 2 and e.status == "failed"]
+    assert [e.node_id for e in failed_r2] == [
+        n for n in r1_nodes if n not in {e.node_id for e in accepted_r2} and n not in {e.node_id for e in declined}
+    ], ups  # B, by its node id
     # Bytes per device per round: FFA sends only B, both ways.
     downs = [e.bytes for e in ledger if e.direction == "down"]
     assert downs and all(b > 0 for b in downs)

@@ -178,3 +178,15 @@ def test_device_rebuilds_the_servers_adapter_from_the_seed(shapes) -> None:
     full = global_tensors(plan, bs)
     want = s.initial_tensors()
     assert set(full) == set(want) and all(np.array_equal(full[k], want[k]) for k in want)
+
+
+def test_an_error_reply_is_booked_to_the_node_it_answers_for(shapes) -> None:
+    ledger = Ledger()
+    s = LoraFedAvg(FED, shapes, ledger=ledger)
+    sent = Metadata(run_id=1, message_id="msg-42", src_node_id=0, dst_node_id=42, reply_to_message_id="",
+                    group_id="1", created_at=time.time(), ttl=60, message_type="train")  # fmt: skip
+    s._sent = [Message(RecordDict(), metadata=sent)]
+    err = Metadata(run_id=1, message_id="e", src_node_id=1, dst_node_id=0, reply_to_message_id="msg-42",
+                   group_id="1", created_at=time.time(), ttl=60, message_type="train")  # fmt: skip
+    s.aggregate_train(1, [Message(Error(code=5, reason="node offline"), metadata=err)])
+    assert [(e.node_id, e.status) for e in ledger.entries] == [(42, "failed")]
