@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -97,7 +98,10 @@ class AsyncClient:
     @classmethod
     def for_owner(cls, data_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> AsyncClient:
         """A client holding the device owner's token ($LORAD_OWNER_TOKEN or <data_dir>/owner.token)."""
-        return cls(token=cfg.read_owner_token(data_dir), data_dir=data_dir, **kwargs)
+        token, source = cfg.owner_token(data_dir)
+        client = cls(token=token, data_dir=data_dir, **kwargs)
+        client.settings = dataclasses.replace(client.settings, token_source=source)
+        return client
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

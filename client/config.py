@@ -144,48 +144,61 @@ def resolve(
     """Resolves connection settings: explicit arguments, then environment, then client.toml, then defaults.
 
     Args:
-        target: Socket path or host:port; default from LORAD_TARGET, client.toml, or the daemon's default socket.
-        token: App (or owner) token; default from LORAD_TOKEN or client.toml.
+        target: Socket path or host:port; default the socket of ``data_dir`` when given, else LORAD_TARGET,
+            client.toml, or the daemon's default socket.
+        token: App (or owner) token; default from LORAD_TOKEN, else client.toml's token when client.toml names
+            no target or the same target.
         timeout_seconds: Per-call deadline; default from client.toml or 30 s.
-        data_dir: The daemon's data directory, used to find its default socket.
+        data_dir: The daemon's data directory: its socket outranks LORAD_TARGET and client.toml.
         config_path: Overrides the client.toml location.
 
     Returns:
         The settings.
     """
     cfg = load_config_file(config_path)
-    source = "argument"
-    if token is None and os.environ.get(ENV_TOKEN):
-        token, source = os.environ[ENV_TOKEN], ENV_TOKEN
-    if token is None and cfg.get("token"):
-        token, source = cfg["token"], str(config_path or config_file_path())
+    cfg_path = str(config_path or config_file_path())
+    # The address: --target, then --data-dir (that daemon's socket, so `--data-dir d2` never reaches another
+    # daemon through a saved target), then LORAD_TARGET, client.toml's target, client.toml's data_dir, defaults.
+    if target is None and data_dir is not None:
+        target = str(default_socket_path(Path(data_dir)))
     if target is None:
         target = os.environ.get(ENV_TARGET) or cfg.get("target")
     if target is None:
-        dd = Path(data_dir) if data_dir is not None else (Path(cfg["data_dir"]) if cfg.get("data_dir") else None)
-        target = str(default_socket_path(dd))
+        target = str(default_socket_path(Path(cfg["data_dir"]) if cfg.get("data_dir") else None))
+    resolved = normalize_target(target)
+    source = "argument"
+    if token is None and os.environ.get(ENV_TOKEN):
+        token, source = os.environ[ENV_TOKEN], ENV_TOKEN
+    # A saved token belongs to the saved target: it is not sent to another daemon.
+    saved_for = cfg.get("target")
+    if token is None and cfg.get("token") and (not saved_for or normalize_target(saved_for) == resolved):
+        token, source = cfg["token"], cfg_path
     if timeout_seconds is None:
         timeout_seconds = float(cfg.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
-    timeout = timeout_seconds
-    return ClientSettings(normalize_target(target), token or None, timeout, source if token else "")
+    return ClientSettings(resolved, token or None, timeout_seconds, source if token else "")
 
 
-def read_owner_token(data_dir: str | os.PathLike[str] | None = None) -> str:
-    """The device owner's token: $LORAD_OWNER_TOKEN, else <data_dir>/owner.token.
+def owner_token(data_dir: str | os.PathLike[str] | None = None) -> tuple[str, str]:
+    """The device owner's token and where it came from ("LORAD_OWNER_TOKEN" or the file's path).
 
     Raises:
         ConfigurationError: Neither is available; the message names both.
     """
     if os.environ.get(ENV_OWNER_TOKEN):
-        return os.environ[ENV_OWNER_TOKEN].strip()
+        return os.environ[ENV_OWNER_TOKEN].strip(), ENV_OWNER_TOKEN
     path = (Path(data_dir) if data_dir is not None else default_data_dir()) / OWNER_TOKEN_FILE
     try:
-        return path.read_text(encoding="utf-8").strip()
+        return path.read_text(encoding="utf-8").strip(), str(path)
     except OSError as exc:
         raise ConfigurationError(
             f"no owner token: cannot read {path} ({exc.strerror}). The daemon creates it at first start; "
             f"run as the device owner, pass --data-dir, or set {ENV_OWNER_TOKEN}"
         ) from exc
+
+
+def read_owner_token(data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The device owner's token: $LORAD_OWNER_TOKEN, else <data_dir>/owner.token (see owner_token)."""
+    return owner_token(data_dir)[0]
 
 
 def save_token(token: str, target: str | None = None, path: Path | None = None) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
@@ -11,7 +12,7 @@ from typing import Any, TypeVar
 from lorad.client import types as t
 from lorad.client._download import ProgressCallback
 from lorad.client.async_client import AdapterRef, AsyncClient, JobRef
-from lorad.client.config import ClientSettings, read_owner_token
+from lorad.client.config import ClientSettings, owner_token
 from lorad.client.retry import RetryPolicy
 
 T = TypeVar("T")
@@ -91,12 +92,24 @@ class Client:
     @classmethod
     def for_owner(cls, data_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Client:
         """A client holding the device owner's token ($LORAD_OWNER_TOKEN or <data_dir>/owner.token)."""
-        return cls(token=read_owner_token(data_dir), data_dir=data_dir, **kwargs)
+        token, source = owner_token(data_dir)
+        client = cls(token=token, data_dir=data_dir, **kwargs)
+        client.token_source = source
+        return client
 
     @property
     def settings(self) -> ClientSettings:
         """The resolved target, token and timeout."""
         return self._aio.settings
+
+    @property
+    def token_source(self) -> str:
+        """Where the token came from, as error messages name it."""
+        return self._aio.settings.token_source
+
+    @token_source.setter
+    def token_source(self, source: str) -> None:
+        self._aio.settings = dataclasses.replace(self._aio.settings, token_source=source)
 
     def close(self) -> None:
         """Closes the channel and stops the loop thread."""

@@ -35,9 +35,10 @@ typical session:
 EPILOG = (
     EXIT_CODES_HELP
     + """
-configuration: --target/--token/--data-dir, else LORAD_TARGET, LORAD_TOKEN (app) / LORAD_OWNER_TOKEN,
-LORAD_STORAGE_DATA_DIR, else ~/.config/lorad/client.toml (target, token, data_dir, timeout_seconds),
-else the daemon's default socket <data_dir>/run/lorad.sock.
+configuration (first match wins): daemon --target, else --data-dir's socket, else LORAD_TARGET, else
+~/.config/lorad/client.toml (target, data_dir), else <data_dir>/run/lorad.sock (LORAD_STORAGE_DATA_DIR);
+token --token, else LORAD_TOKEN (app) / LORAD_OWNER_TOKEN or <data_dir>/owner.token (owner), else
+client.toml's token when it names no target or the same daemon. Details: client/README_CLI.md.
 """
 )
 

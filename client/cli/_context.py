@@ -37,6 +37,8 @@ def make_client(args: argparse.Namespace) -> Client:
     client = Client(
         opt(args, "target"), opt(args, "token"), timeout=opt(args, "timeout"), data_dir=opt(args, "data_dir")
     )
+    if opt(args, "token"):
+        client.token_source = "--token"
     if client.settings.token is None:
         client.close()
         raise ConfigurationError(
@@ -48,8 +50,10 @@ def make_client(args: argparse.Namespace) -> Client:
 
 def make_owner_client(args: argparse.Namespace) -> Client:
     """A Client holding the owner token: --token, else $LORAD_OWNER_TOKEN, else <data_dir>/owner.token."""
-    token = opt(args, "token") or cfg.read_owner_token(opt(args, "data_dir"))
-    return Client(opt(args, "target"), token, timeout=opt(args, "timeout"), data_dir=opt(args, "data_dir"))
+    token, source = (opt(args, "token"), "--token") if opt(args, "token") else cfg.owner_token(opt(args, "data_dir"))
+    client = Client(opt(args, "target"), token, timeout=opt(args, "timeout"), data_dir=opt(args, "data_dir"))
+    client.token_source = source
+    return client
 
 
 def data_dir_arg(args: argparse.Namespace) -> str | os.PathLike[str] | None:

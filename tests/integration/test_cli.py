@@ -98,7 +98,9 @@ def test_owner_flow_register_save_then_app_calls(fake: FakeDaemon, tmp_path: Pat
     data_dir = tmp_path / "dd"
     data_dir.mkdir()
     (data_dir / "owner.token").write_text(OWNER_TOKEN + "\n")
-    r = run(fake, tmp_path, "--data-dir", str(data_dir), "app", "register", "notes", "--save", "--json")
+    # --data-dir finds the owner token; --target (which outranks --data-dir) names the daemon elsewhere.
+    r = run(fake, tmp_path, "--data-dir", str(data_dir), "--target", fake.target, "app", "register", "notes", "--save",
+            "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["app"]["app_id"] == "notes" and out["token"] and out["saved_to"] == str(tmp_path / "client.toml")
@@ -106,9 +108,9 @@ def test_owner_flow_register_save_then_app_calls(fake: FakeDaemon, tmp_path: Pat
     r = run(fake, tmp_path, "data", "add", "diary", "-", stdin='{"text": "a"}\n{"text": "b"}\n', env={})
     assert r.returncode == 0, r.stderr
     assert "2 added" in r.stdout
-    r = run(fake, tmp_path, "app", "list", "--json", "--data-dir", str(data_dir))
+    r = run(fake, tmp_path, "app", "list", "--json", "--data-dir", str(data_dir), "--target", fake.target)
     assert [a["app_id"] for a in json.loads(r.stdout)] == ["notes"]
-    r = run(fake, tmp_path, "app", "register", "notes", "--data-dir", str(data_dir))
+    r = run(fake, tmp_path, "app", "register", "notes", "--data-dir", str(data_dir), "--target", fake.target)
     assert r.returncode == 7 and "exists" in r.stderr
 
 

@@ -113,3 +113,39 @@ def test_cli_chat_tries_an_adapter_line_by_line_and_generate_takes_sampling_flag
     assert looped.returncode == 0 and default.returncode == 0, default.stderr
     # the flag reaches the daemon: switching the penalty off changes greedy output
     assert json.loads(looped.stdout)["text"] != json.loads(default.stdout)["text"]
+
+
+def _cli(tmp: Path, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    e.update(HOME=str(tmp), LORAD_CLIENT_CONFIG=str(tmp / "client.toml"), **env)
+    return subprocess.run([sys.executable, "-m", "lorad.client.cli", *argv], check=False, capture_output=True,
+                          text=True, env=e, timeout=120)  # fmt: skip
+
+
+def _note(tmp: Path) -> Path:
+    p = tmp / "d1.txt"
+    p.write_text("a note only d1 has\n")
+    return p
+
+
+def test_data_dir_names_the_daemon_even_with_a_saved_target(make_daemon: Any, tmp_path: Path) -> None:
+    d1, d2 = make_daemon("d1"), make_daemon("d2")
+    # The device owner of d1 registers an app and saves its token and target (d1's socket) in client.toml.
+    assert _cli(tmp_path, "--data-dir", str(d1.data_dir), "app", "register", "notes", "--save").returncode == 0
+    r = _cli(tmp_path, "data", "add", "diary", str(_note(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    # An owner command with --data-dir d2 goes to d2 (with d2's owner.token), not to the saved target.
+    r = _cli(tmp_path, "--data-dir", str(d2.data_dir), "app", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
+    # An app command there does not send d1's saved token to d2: it asks for a token for d2.
+    r = _cli(tmp_path, "--data-dir", str(d2.data_dir), "data", "list")
+    assert r.returncode == 5 and "no app token" in r.stderr, r.stderr
+    _, tok2 = d2.register("notes")
+    r = _cli(tmp_path, "--data-dir", str(d2.data_dir), "--token", tok2, "data", "list", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stdout  # d2's (empty) data, not d1's "diary"
+    # A bad owner token names where it came from, never "argument".
+    r = _cli(tmp_path, "--data-dir", str(d2.data_dir), "app", "list", LORAD_OWNER_TOKEN="wrong")
+    assert r.returncode == 5 and "token from LORAD_OWNER_TOKEN" in r.stderr, r.stderr
+    r = _cli(tmp_path, "--data-dir", str(d2.data_dir), "--token", "wrong", "app", "list")
+    assert r.returncode == 5 and "token from --token" in r.stderr and "argument" not in r.stderr, r.stderr

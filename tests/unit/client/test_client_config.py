@@ -79,3 +79,27 @@ def test_owner_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cfg.read_owner_token(tmp_path) == "own"
     monkeypatch.setenv("LORAD_OWNER_TOKEN", "env-own")
     assert cfg.read_owner_token(tmp_path) == "env-own"
+
+
+def test_data_dir_outranks_saved_and_env_target_and_keeps_the_saved_token_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    sock1 = f"unix://{d1}/run/lorad.sock"
+    (tmp_path / "client.toml").write_text(f'token = "tok1"\ntarget = "{sock1}"\n')
+    s = cfg.resolve(data_dir=d2)
+    assert s.target == f"unix://{d2}/run/lorad.sock"
+    assert s.token is None and s.token_source == ""  # tok1 belongs to d1's daemon: not sent to d2's
+    assert cfg.resolve(data_dir=d1).token == "tok1"  # the saved target itself: its token applies
+    monkeypatch.setenv("LORAD_TARGET", "127.0.0.1:9")
+    assert cfg.resolve(data_dir=d2).target == f"unix://{d2}/run/lorad.sock"
+    assert cfg.resolve("127.0.0.1:5", data_dir=d2).target == "127.0.0.1:5"  # --target beats --data-dir
+    assert cfg.resolve().target == "127.0.0.1:9"
+
+
+def test_owner_token_names_its_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("LORAD_OWNER_TOKEN", raising=False)
+    (tmp_path / "owner.token").write_text("own\n")
+    assert cfg.owner_token(tmp_path) == ("own", str(tmp_path / "owner.token"))
+    monkeypatch.setenv("LORAD_OWNER_TOKEN", "env-own")
+    assert cfg.owner_token(tmp_path) == ("env-own", "LORAD_OWNER_TOKEN")
