@@ -9,7 +9,8 @@ from typing import Any
 
 from lorad.client import config as cfg
 from lorad.client.cli._context import make_client, make_owner_client, opt
-from lorad.client.cli._output import EXIT_INVALID, EXIT_OK, human_bytes, print_json, print_table, when
+from lorad.client.cli._output import EXIT_OK, human_bytes, print_json, print_table, report_error, when
+from lorad.client.errors import InvalidArgument
 from lorad.client.samples import SampleFormatError, read_samples, read_stream
 from lorad.client.types import AppQuota, Sample
 
@@ -48,8 +49,9 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
         parents=[parent],
         help="append samples from files or stdin",
         description='Files ending in .jsonl hold one JSON object per line: {"text": ...} or '
-        '{"messages": [{"role": "user"|"assistant"|"system", "content": ...}]}. Other files are '
-        "UTF-8 text (see --split). With no files or '-', stdin is read (JSONL when every line starts with '{').",
+        '{"messages": [{"role": "user"|"assistant"|"system", "content": ...}]}; .json files hold an array of '
+        "such objects or one object. Other files are UTF-8 text (see --split); a byte-order mark is ignored. "
+        "With no files or '-', stdin is read (JSONL when every line starts with '{', JSON for one array/object).",
     )
     add.add_argument("dataset", help="dataset id (created on first add)")
     add.add_argument("files", nargs="*", type=Path, help="input files; '-' or none reads stdin")
@@ -62,7 +64,7 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     add.add_argument(
         "--format",
         dest="fmt",
-        choices=("auto", "text", "jsonl"),
+        choices=("auto", "text", "jsonl", "json"),
         default="auto",
         help="input format (auto: by extension, stdin by content)",
     )
@@ -149,11 +151,10 @@ def data_add(args: argparse.Namespace) -> int:
     try:
         samples = _gather(args)
     except SampleFormatError as exc:
-        print(f"lorad: error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return report_error(InvalidArgument(str(exc), code="INVALID_ARGUMENT"), bool(opt(args, "json")))
     if not samples:
-        print("lorad: error: no samples found in the input (empty files?)", file=sys.stderr)
-        return EXIT_INVALID
+        msg = "no samples found in the input (empty files?)"
+        return report_error(InvalidArgument(msg, code="INVALID_ARGUMENT"), bool(opt(args, "json")))
     with make_client(args) as c:
         r = c.append_samples(args.dataset, samples)
     if opt(args, "json"):

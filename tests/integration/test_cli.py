@@ -277,3 +277,16 @@ def test_status_human_and_json(fake: FakeDaemon, tmp_path: Path) -> None:
     r = run(fake, tmp_path, "status", token=tok)
     assert f"job       {job_id} queued" in r.stdout
     assert json.loads(run(fake, tmp_path, "status", "--json", token=tok).stdout)["current_job"]["job_id"] == job_id
+
+
+def test_data_add_reads_json_files_and_reports_errors_as_json(fake: FakeDaemon, tmp_path: Path) -> None:
+    tok = fake.app_token("notes")
+    (tmp_path / "a.json").write_text('\ufeff[\n  {"text": "one"},\n  {"text": "two"}\n]\n')
+    r = run(fake, tmp_path, "data", "add", "diary", str(tmp_path / "a.json"), "--json", token=tok)
+    assert r.returncode == 0 and json.loads(r.stdout)["accepted_count"] == 2, r.stderr
+    (tmp_path / "b.json").write_text('[\n  {"text": "ok"},\n  {"messages": "nope"}\n]\n')
+    r = run(fake, tmp_path, "data", "add", "diary", str(tmp_path / "b.json"), "--json", token=tok)
+    err = json.loads(r.stderr)["error"]
+    assert r.returncode == 4 and err["code"] == "INVALID_ARGUMENT" and f"{tmp_path / 'b.json'}:3:" in err["message"]
+    r = run(fake, tmp_path, "data", "add", "diary", str(tmp_path / "missing.txt"), "--json", token=tok)
+    assert r.returncode == 4 and "no such file" in json.loads(r.stderr)["error"]["message"]
