@@ -109,7 +109,8 @@ def served_env(root: Path, model_dir: Path, extra_env: dict[str, str] | None = N
     env.update(HOME=str(root), LORAD_CLIENT_CONFIG=str(root / "client.toml"), PATH=f"{Path(sys.executable).parent}:"
                f"{env.get('PATH', '')}", LORAD_STORAGE_DATA_DIR=str(root / "data"),
                LORAD_TRAINING_DEFAULT_MODEL=str(model_dir), LORAD_TRAINING_BACKEND="torch",
-               LORAD_LOGGING_LEVEL="warning", **(extra_env or {}))  # fmt: skip
+               LORAD_LOGGING_LEVEL="warning")  # fmt: skip
+    env.update(extra_env or {})
     return env
 
 

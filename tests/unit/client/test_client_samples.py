@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from lorad.client.samples import SampleFormatError, read_samples, read_stream
 from lorad.client.types import ChatSample, TextSample
 
