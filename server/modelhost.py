@@ -18,6 +18,15 @@ DEFAULT_NAME = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What status reports about a model: family, parameter count (stored weights) and content hash."""
+
+    family: str
+    parameters: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """A model name and where it loads from (None = the bundled SmolLM2 GGUF)."""
 
@@ -54,6 +63,7 @@ class ModelHost:
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
         self._loaded: dict[str, Any] = {}
+        self._facts: dict[str, ModelFacts] = {}
         self._lock = threading.Lock()  # one load at a time; generation itself is serialised by the caller
 
     def entry(self, name: str, field: str = "config.base_model") -> ModelEntry:
@@ -72,6 +82,26 @@ class ModelHost:
     def loaded(self, name: str) -> Any | None:
         """The loaded base for ``name`` if it is already in memory (for status), else None."""
         return self._loaded.get(self.entry(name).name)
+
+    def facts(self, name: str) -> ModelFacts | None:
+        """Family, parameter count and sha256 of a model without loading it; None when it cannot be read.
+
+        The first call per model may take seconds (a GGUF is converted into the cache, an HF folder hashed once);
+        later calls are a dict lookup.
+        """
+        e = self.entry(name)
+        if e.name not in self._facts:
+            from lorad.server.engine.models.hf_folder import read_config, read_weights
+            from lorad.server.engine.models.loader import resolve
+
+            try:
+                ck = resolve(e.source, self.cache_root)
+                cfg = read_config(ck.path)
+                self._facts[e.name] = ModelFacts(cfg.arch, read_weights(ck.path).parameter_count(), ck.model_hash)
+            except (OSError, ValueError) as exc:  # a missing or broken model must not break status
+                log.warning("model_facts_unavailable", model=e.name, error=type(exc).__name__)
+                return None
+        return self._facts[e.name]
 
     def base(self, name: str) -> Any:
         """The base model for inference (a ``LoadedModel`` without LoRA), loading it on first use."""

@@ -196,6 +196,15 @@ def generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _count(n: int) -> str:
+    """A parameter count the way model cards say it: 135M, 1.5B, 400K."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.1f}{unit}" if v < 10 and unit == "B" else f"{v:.0f}{unit}"
+    return str(n)
+
+
 def _yes_no(v: bool | None) -> str:
     return "unknown" if v is None else ("yes" if v else "no")
 
@@ -228,7 +237,8 @@ def print_status(s: DeviceStatus, job: Job | None = None) -> None:
     elif s.current_job_id:
         print(f"job       {s.current_job_id} is {s.current_job_state.value}")
     for m in s.models:
-        print(f"model     {m.name} ({m.family}, {m.parameters / 1e6:.0f}M params){' default' if m.is_default else ''}")
+        about = f"{m.family}, {_count(m.parameters)} params" if m.parameters else "not readable"
+        print(f"model     {m.name} ({about}){' default' if m.is_default else ''}")
 
 
 def status(args: argparse.Namespace) -> int:

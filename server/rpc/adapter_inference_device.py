@@ -226,11 +226,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                     out.blocked_detail = job.blocked_detail
         for e in self.s.models.entries.values():
             m = device_pb2.ModelInfo(name=e.name, is_default=e.is_default)
-            loaded = self.s.models.loaded(e.name)
-            if loaded is not None:
-                m.sha256 = loaded.model_hash
-                m.family = getattr(loaded.config, "arch", "") or ""
-                m.parameters = sum(int(p.numel()) for p in loaded.model.parameters())
+            facts = self.s.models.facts(e.name)
+            if facts is not None:
+                m.family, m.parameters, m.sha256 = facts.family, facts.parameters, facts.sha256
             out.models.append(m)
         return out
 

@@ -149,3 +149,27 @@ def test_data_dir_names_the_daemon_even_with_a_saved_target(make_daemon: Any, tm
     assert r.returncode == 5 and "token from LORAD_OWNER_TOKEN" in r.stderr, r.stderr
     r = _cli(tmp_path, "--data-dir", str(d2.data_dir), "--token", "wrong", "app", "list")
     assert r.returncode == 5 and "token from --token" in r.stderr and "argument" not in r.stderr, r.stderr
+
+
+def test_status_reports_the_models_family_weight_count_and_hash(make_daemon: Any, tmp_path: Path) -> None:
+    import math
+
+    from safetensors import safe_open
+
+    from lorad.server.engine.models.loader import load_model
+
+    h = make_daemon()
+    assert lorad(tmp_path, h, "app", "register", "notes", "--save").returncode == 0
+    r = lorad(tmp_path, h, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    (m,) = json.loads(r.stdout)["models"]
+    model_dir = Path(h.daemon.cfg.training.default_model)
+    expected = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            expected += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())  # noqa: SIM118
+    assert m["family"] == "llama" and m["parameters"] == expected > 0
+    loaded = load_model(model_dir, cache_root=tmp_path / "cache", backend="torch", precision="fp32", lora=None)
+    assert m["sha256"] == loaded.model_hash and len(m["sha256"]) == 64
+    r = lorad(tmp_path, h, "status")
+    assert f"({m['family']}, {round(expected / 1e3)}K params) default" in r.stdout, r.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -80,6 +81,10 @@ class SafetensorsWeights(Mapping[str, Tensor]):
         finally:
             os.close(fd)
         return torch.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
+
+    def parameter_count(self) -> int:
+        """Elements of all stored tensors, from the headers alone (frozen weights included, nothing read)."""
+        return sum(math.prod(shape) for _, _, shape, _, _ in self._index.values())
 
     def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
         return key in self._index
