@@ -497,7 +497,8 @@ class AsyncClient:
 
         def open_stream(offset: int) -> AsyncIterator[Any]:
             req.read_offset = offset
-            return self._adapters.DownloadAdapter(req, metadata=self._metadata)
+            stream: AsyncIterator[Any] = self._adapters.DownloadAdapter(req, metadata=self._metadata)
+            return stream
 
         # One writer per destination (threads and processes alike): a second pull waits, then finds the file.
         async with DownloadLock(dest):
@@ -512,7 +513,8 @@ class AsyncClient:
         try:
             async for msg in call:
                 if msg.WhichOneof("payload") == "header":
-                    return msg.header
+                    header: adapters_pb2.DownloadHeader = msg.header
+                    return header
                 break
         except grpc.RpcError as exc:
             raise self._error(exc) from None

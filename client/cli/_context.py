@@ -58,4 +58,5 @@ def make_owner_client(args: argparse.Namespace) -> Client:
 
 def data_dir_arg(args: argparse.Namespace) -> str | os.PathLike[str] | None:
     """The --data-dir option, if given."""
-    return opt(args, "data_dir")
+    value: str | os.PathLike[str] | None = opt(args, "data_dir")
+    return value
