@@ -246,7 +246,7 @@ def project(
         "cpu_serial_s": serial_cpu,
         "npu_calls_per_step": (7 * L + 1) * 2,
         "bottleneck": "NPU" if npu_total >= cpu_lora_total else "CPU LoRA",
-        # Two stored copies (forward and input-gradient graphs; notes/qnn_htp.md §1) of every frozen weight.
+        # Two stored copies (forward and input-gradient graphs; docs/qnn_htp.md §1) of every frozen weight.
         "npu_weight_gib": 2 * frozen_params * w_bytes / 2**30,
         "lora_params": lora_params,
     }

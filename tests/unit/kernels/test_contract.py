@@ -7,7 +7,7 @@ import torch
 
 from lorad.kernels import BACKENDS, PRECISIONS, make_frozen_linear, memory_report
 
-# Relative-norm tolerance vs exact fp32 per precision (notes/qnn_htp.md §2 measured 3.6e-4 fp16, 7.8e-3 w8a16,
+# Relative-norm tolerance vs exact fp32 per precision (docs/qnn_htp.md §2 measured 3.6e-4 fp16, 7.8e-3 w8a16,
 # 1.8e-2 w8a8, 0.13 w4a16 at 896²; small layers are noisier, hence the margins).
 REL_TOL = {"fp32": 1e-5, "fp16": 2e-3, "w8a16": 2.5e-2, "w8a8": 5e-2, "w4a16": 0.25}
 SUPPORTED = {
