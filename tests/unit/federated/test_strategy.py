@@ -190,3 +190,19 @@ def test_an_error_reply_is_booked_to_the_node_it_answers_for(shapes) -> None:
                    group_id="1", created_at=time.time(), ttl=60, message_type="train")  # fmt: skip
     s.aggregate_train(1, [Message(Error(code=5, reason="node offline"), metadata=err)])
     assert [(e.node_id, e.status) for e in ledger.entries] == [(42, "failed")]
+
+
+def test_flowers_server_side_dp_clipping_wraps_the_lora_strategy(shapes) -> None:
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    rng = np.random.default_rng(5)
+    lora = LoraFedAvg(FED, shapes)
+    dp = DifferentialPrivacyServerSideFixedClipping(lora, noise_multiplier=0.0, clipping_norm=0.5,
+                                                    num_sampled_clients=2)  # fmt: skip
+    dp.current_arrays = lora.initial_arrays()  # what configure_train records (B = 0)
+    big = [{k: v * 100 for k, v in _random_bs(rng, shapes).items()} for _ in range(2)]
+    arrays, _ = dp.aggregate_train(1, [_reply(1, big[0], 10), _reply(2, big[1], 10), _declined(3)])
+    assert arrays is not None
+    norm = np.sqrt(sum(float(np.sum(arrays[k].numpy().astype(np.float64) ** 2)) for k in arrays))
+    assert norm <= 0.5 + 1e-5  # each device's B update was clipped to 0.5, so their mean is too
+    assert [e.status for e in lora.ledger.entries] == ["accepted", "accepted", "declined"]
