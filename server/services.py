@@ -7,8 +7,10 @@ from pathlib import Path
 
 import structlog
 
+from lorad.server.apps import AppRegistry
 from lorad.server.auth import Authenticator, ensure_owner_token
 from lorad.server.config import Config
+from lorad.server.data import AppData
 from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.monitor import ConditionMonitor
 from lorad.server.device.probes import Probe, Readings, make_probe
@@ -44,6 +46,8 @@ class Services:
     owner_token: str
     wake_lock: WakeLockHooks
     profile: DeviceProfile
+    registry: AppRegistry  # the domain layer servicers call (the repos above are for the daemon's own parts)
+    data: AppData
 
     @property
     def default_requirements(self) -> Requirements:
@@ -124,6 +128,8 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         owner,
         wake,
         profile,
+        AppRegistry(apps),
+        AppData(apps, samples),
     )
 
 

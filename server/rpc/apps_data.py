@@ -10,7 +10,6 @@ from typing import Any
 from grpc import aio
 
 from lorad.server import validation as v
-from lorad.server.auth import hash_token, new_token
 from lorad.server.errors import InvalidArgument, PermissionDenied
 from lorad.server.forget import forget_app
 from lorad.server.rpc import convert as cv
@@ -32,18 +31,17 @@ class AppServicer(apps_pb2_grpc.AppServiceServicer):
         if len(name.encode()) > 128:
             raise InvalidArgument("display_name", "too long (at most 128 bytes)")
         quota = cv.quota_from_pb(request.quota, self.s.cfg)
-        token = new_token()
-        app = await asyncio.to_thread(self.s.apps.create, app_id, name, hash_token(token), quota)
+        app, token = await asyncio.to_thread(self.s.registry.register, app_id, name, quota)
         return apps_pb2.RegisterAppResponse(app=cv.app_pb(app), token=token)
 
     async def ListApps(self, request: apps_pb2.ListAppsRequest, context: aio.ServicerContext) -> Any:
         principal().require_owner()
-        apps, nxt = await asyncio.to_thread(self.s.apps.list_page, request.page_size, request.page_token)
+        apps, nxt = await asyncio.to_thread(self.s.registry.list_page, request.page_size, request.page_token)
         return apps_pb2.ListAppsResponse(apps=[cv.app_pb(a) for a in apps], next_page_token=nxt)
 
     async def RevokeApp(self, request: apps_pb2.RevokeAppRequest, context: aio.ServicerContext) -> Any:
         principal().require_owner()
-        await asyncio.to_thread(self.s.apps.revoke, v.check_id("app_id", request.app_id))
+        await asyncio.to_thread(self.s.registry.revoke, v.check_id("app_id", request.app_id))
         return apps_pb2.RevokeAppResponse()
 
 
@@ -57,8 +55,7 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
     def _append(self, app_id: str, dataset_id: str, samples: Any) -> Any:
         bodies = [cv.sample_from_pb(x) for x in samples]
         v.validate_samples(bodies)
-        quota = self.s.apps.get(app_id).quota
-        return self.s.samples.append(app_id, dataset_id, bodies, quota)  # type: ignore[arg-type]
+        return self.s.data.append(app_id, dataset_id, [b for b in bodies if b is not None])  # validated: none is None
 
     async def AppendSamples(self, request: data_pb2.AppendSamplesRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
@@ -93,25 +90,23 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
 
     async def ListDatasets(self, request: data_pb2.ListDatasetsRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        page, nxt = await asyncio.to_thread(self.s.samples.list_datasets, app_id, request.page_size, request.page_token)
+        page, nxt = await asyncio.to_thread(self.s.data.list_datasets, app_id, request.page_size, request.page_token)
         return data_pb2.ListDatasetsResponse(datasets=[cv.dataset_pb(d) for d in page], next_page_token=nxt)
 
     async def GetDataset(self, request: data_pb2.GetDatasetRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        d = await asyncio.to_thread(self.s.samples.get_dataset, app_id, v.check_id("dataset_id", request.dataset_id))
+        d = await asyncio.to_thread(self.s.data.get_dataset, app_id, v.check_id("dataset_id", request.dataset_id))
         return data_pb2.GetDatasetResponse(dataset=cv.dataset_pb(d))
 
     async def ListSamples(self, request: data_pb2.ListSamplesRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         ds = v.check_id("dataset_id", request.dataset_id)
-        page, nxt = await asyncio.to_thread(
-            self.s.samples.list_samples, app_id, ds, request.page_size, request.page_token
-        )
+        page, nxt = await asyncio.to_thread(self.s.data.list_samples, app_id, ds, request.page_size, request.page_token)
         return data_pb2.ListSamplesResponse(samples=[cv.stored_sample_pb(x) for x in page], next_page_token=nxt)
 
     async def DeleteDataset(self, request: data_pb2.DeleteDatasetRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        n = await asyncio.to_thread(self.s.samples.delete_dataset, app_id, v.check_id("dataset_id", request.dataset_id))
+        n = await asyncio.to_thread(self.s.data.delete_dataset, app_id, v.check_id("dataset_id", request.dataset_id))
         return data_pb2.DeleteDatasetResponse(deleted_samples=n)
 
     async def ForgetApp(self, request: data_pb2.ForgetAppRequest, context: aio.ServicerContext) -> Any:

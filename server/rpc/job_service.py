@@ -120,7 +120,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 continue
             await self.s.hub.wait_change(seen, WATCH_POLL_S)
             # Revocation is immediate for streams too: re-check the token's app is still active.
-            if (await asyncio.to_thread(self.s.apps.get, app_id)).revoked:
+            if await asyncio.to_thread(self.s.registry.is_revoked, app_id):
                 raise Unauthenticated("unknown or revoked token")
 
     async def ListJobEvents(self, request: jobs_pb2.ListJobEventsRequest, context: aio.ServicerContext) -> Any:
@@ -143,7 +143,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         spec = self._spec(
             request.dataset_ids, request.config, request.requirements, request.window, True, app_id=app_id
         )
-        have = await asyncio.to_thread(self.s.samples.existing_datasets, app_id, spec.dataset_ids)
+        have = await asyncio.to_thread(self.s.data.existing_datasets, app_id, spec.dataset_ids)
         for d in spec.dataset_ids:
             if d not in have:
                 raise NotFound("dataset", d)
