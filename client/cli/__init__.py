@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import re
 import sys
 from collections.abc import Sequence
 
@@ -13,6 +16,7 @@ from lorad.client.cli._output import (
     EXIT_CODES_HELP,
     EXIT_OK,
     EXIT_USAGE,
+    print_json,
     report_error,
 )
 from lorad.client.errors import InvalidArgument, LoradError
@@ -81,12 +85,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     head, passthrough = _split_passthrough(args_list)
     parser = build_parser()
+    wants_json = "--json" in head
+    usage = io.StringIO()
     try:
-        args = parser.parse_args(head)
+        # Under --json a usage error is JSON too: argparse's text is captured and wrapped.
+        with contextlib.redirect_stderr(usage) if wants_json else contextlib.nullcontext():
+            args = parser.parse_args(head)
         if passthrough:
             args.daemon_args = passthrough
     except SystemExit as exc:  # argparse exits 2 on usage errors and 0 for --help
-        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+        code = int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+        text = usage.getvalue().strip()
+        if wants_json and code == EXIT_USAGE:
+            message = re.sub(r"^lorad[\w -]*: error: ", "", text.splitlines()[-1]) if text else "usage error"
+            print_json({"error": {"code": "USAGE", "type": "UsageError", "message": message, "field": ""}},
+                       sys.stderr)  # fmt: skip
+        elif text:
+            print(text, file=sys.stderr)
+        return code
     as_json = bool(opt(args, "json", False))
     try:
         return int(args.func(args))

@@ -30,32 +30,33 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
         "train",
         parents=[parent],
         help="train a LoRA adapter now, in the next window, or every night",
-        description="Zero/unset options take the daemon's defaults (rank 8, alpha 2*rank, all projections, "
-        "100 steps, lr 2e-4, seq 256, cosine). Device requirements default to the daemon's config.",
+        description="Unset options take the daemon's defaults (rank 8, alpha 2*rank, all projections, "
+        "100 steps, lr 2e-4, seq 256, cosine); a value out of range is an error naming the option. "
+        "Device requirements default to the daemon's config.",
     )
     tr.add_argument("datasets", nargs="+", help="dataset ids to train on")
     when_g = tr.add_mutually_exclusive_group()
     when_g.add_argument("--nightly", metavar="CRON", help='recurring schedule, e.g. "30 2 * * *" (02:30 nightly)')
     when_g.add_argument("--window", metavar="CRON", help="one job that starts when this window next opens")
-    tr.add_argument("--jitter", type=int, default=0, help="random delay added to each window start, seconds")
+    tr.add_argument("--jitter", type=int, default=None, help="random delay added to each window start, seconds")
     tr.add_argument("--timezone", default="", help="IANA zone of the cron (default: device local)")
     lo = tr.add_argument_group("LoRA")
-    lo.add_argument("--rank", type=int, default=0, help="adapter rank r, 1..128 (default 8)")
-    lo.add_argument("--alpha", type=float, default=0.0, help="scale numerator, update = alpha/r (default 2r)")
-    lo.add_argument("--dropout", type=float, default=0.0, help="dropout on the LoRA input, 0..0.5")
+    lo.add_argument("--rank", type=int, default=None, help="adapter rank r, 1..128 (default 8)")
+    lo.add_argument("--alpha", type=float, default=None, help="scale numerator, update = alpha/r (default 2r)")
+    lo.add_argument("--dropout", type=float, default=None, help="dropout on the LoRA input, 0..0.5")
     lo.add_argument("--targets", default="", help=f"comma-separated projections from {','.join(TARGETS)} (all)")
     op = tr.add_argument_group("training")
     op.add_argument("--base-model", default="", help="model name from `lorad status` (default model)")
-    op.add_argument("--steps", type=int, default=0, help="optimizer steps (default 100)")
-    op.add_argument("--lr", type=float, default=0.0, help="peak AdamW learning rate (default 2e-4)")
-    op.add_argument("--batch-size", type=int, default=0, help="sequences per micro-batch (default 1)")
-    op.add_argument("--seq-len", type=int, default=0, help="tokens per packed sequence, 16..4096 (default 256)")
-    op.add_argument("--grad-accum", type=int, default=0, help="micro-batches per step (default 1)")
-    op.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
+    op.add_argument("--steps", type=int, default=None, help="optimizer steps (default 100)")
+    op.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 2e-4)")
+    op.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch (default 1)")
+    op.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence, 16..4096 (default 256)")
+    op.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
+    op.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
     op.add_argument("--schedule", choices=[s.value for s in LrSchedule], default="default", help="LR decay")
-    op.add_argument("--weight-decay", type=float, default=0.0)
-    op.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (default 25)")
-    op.add_argument("--eval-fraction", type=float, default=0.0, help="share of samples held out (default 0.1)")
+    op.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay, >= 0")
+    op.add_argument("--eval-every", type=int, default=None, help="held-out loss every N steps (default 25)")
+    op.add_argument("--eval-fraction", type=float, default=None, help="share of samples held out (default 0.1)")
     op.add_argument("--seed", type=int, default=0)
     op.add_argument("--backend", choices=[b.value for b in Backend], default="auto")
     op.add_argument("--precision", choices=[p.value for p in Precision], default="auto")
@@ -105,29 +106,68 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     sd.set_defaults(func=schedules_delete)
 
 
-def training_config(args: argparse.Namespace) -> TrainingConfig:
-    """The TrainingConfig the train options describe.
+# option dest -> (flag, lowest, highest or None, lowest allowed itself): checked before anything is sent.
+LIMITS: dict[str, tuple[str, float, float | None, bool]] = {
+    "rank": ("--rank", 1, 128, True),
+    "alpha": ("--alpha", 0, None, False),
+    "dropout": ("--dropout", 0, 0.5, True),
+    "steps": ("--steps", 1, None, True),
+    "lr": ("--lr", 0, None, False),
+    "batch_size": ("--batch-size", 1, None, True),
+    "seq_len": ("--seq-len", 16, 4096, True),
+    "grad_accum": ("--grad-accum", 1, None, True),
+    "warmup": ("--warmup", 0, None, True),
+    "weight_decay": ("--weight-decay", 0, None, True),
+    "eval_every": ("--eval-every", 1, None, True),
+    "eval_fraction": ("--eval-fraction", 0, 0.5, False),
+    "jitter": ("--jitter", 0, None, True),
+    "min_battery": ("--min-battery", 0, 100, True),
+    "max_temp": ("--max-temp", 20, 80, True),
+}
+
+
+def check_limits(args: argparse.Namespace) -> None:
+    """Rejects a given option outside its range, naming it: "--steps must be ≥ 1, got -5".
 
     Raises:
-        ValueError: A --targets entry is unknown (names the allowed ones).
+        ValueError: The first option out of range.
     """
+    for dest, (flag, lo, hi, inclusive) in LIMITS.items():
+        v = getattr(args, dest, None)
+        if v is None:
+            continue
+        below = (v < lo) if inclusive else (v <= lo)
+        if hi is not None and (below or v > hi):
+            span = f"{lo:g} to {hi:g}" if inclusive else f"> {lo:g} and ≤ {hi:g}"
+            raise ValueError(f"{flag} must be {span}, got {v:g}")
+        if below:
+            raise ValueError(f"{flag} must be {'≥' if inclusive else '>'} {lo:g}, got {v:g}")
+
+
+def training_config(args: argparse.Namespace) -> TrainingConfig:
+    """The TrainingConfig the train options describe (unset options are 0: the daemon's defaults).
+
+    Raises:
+        ValueError: An option is out of range, or a --targets entry is unknown (names the allowed ones).
+    """
+    check_limits(args)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     bad = [t for t in targets if t not in TARGETS]
     if bad:
         raise ValueError(f"--targets: unknown {', '.join(bad)}; allowed: {', '.join(TARGETS)}")
     return TrainingConfig(
         base_model=args.base_model,
-        lora=LoraConfig(args.rank, args.alpha, args.dropout, targets),
-        max_steps=args.steps,
-        learning_rate=args.lr,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        grad_accum_steps=args.grad_accum,
-        warmup_steps=args.warmup,
+        lora=LoraConfig(args.rank or 0, args.alpha or 0.0, args.dropout or 0.0, targets),
+        max_steps=args.steps or 0,
+        learning_rate=args.lr or 0.0,
+        batch_size=args.batch_size or 0,
+        seq_len=args.seq_len or 0,
+        grad_accum_steps=args.grad_accum or 0,
+        warmup_steps=args.warmup or 0,
         lr_schedule=LrSchedule(args.schedule),
-        weight_decay=args.weight_decay,
-        eval_every_steps=args.eval_every,
-        eval_fraction=args.eval_fraction,
+        weight_decay=args.weight_decay or 0.0,
+        eval_every_steps=args.eval_every or 0,
+        eval_fraction=args.eval_fraction or 0.0,
         seed=args.seed,
         backend=Backend(args.backend),
         precision=Precision(args.precision),
@@ -139,7 +179,7 @@ def train(args: argparse.Namespace) -> int:
     config = training_config(args)
     req = DeviceRequirements(args.require_charging, args.min_battery, args.max_temp, args.require_idle)
     cron = args.nightly or args.window
-    window = TrainingWindow(cron, args.jitter, args.timezone) if cron else None
+    window = TrainingWindow(cron, args.jitter or 0, args.timezone) if cron else None
     with make_client(args) as c:
         if args.nightly:
             assert window is not None

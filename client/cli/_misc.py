@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import math
 import sys
 import time
 from typing import Any
@@ -19,8 +21,9 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     ad = sub.add_parser("adapters", parents=[parent], help="list, pull (download) and delete adapters")
     ads = ad.add_subparsers(dest="action", required=True, metavar="{list,show,pull,delete}")
     ads.add_parser("list", parents=[parent], help="list adapters, newest first").set_defaults(func=adapters_list)
-    sh = ads.add_parser("show", parents=[parent], help="show one adapter with its precision plan")
-    sh.add_argument("adapter_id")
+    sh = ads.add_parser("show", parents=[parent], help="show one adapter (a summary; --layers: each layer)")
+    sh.add_argument("adapter_id", help="adapter id, or a job id (job_...) whose adapter to show")
+    sh.add_argument("--layers", action="store_true", help="list the precision plan of every layer")
     sh.set_defaults(func=adapters_show)
     pull = ads.add_parser(
         "pull",
@@ -40,8 +43,14 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     )
     pull.add_argument("--force", action="store_true", help="overwrite an existing file")
     pull.set_defaults(func=adapters_pull)
-    de = ads.add_parser("delete", parents=[parent], help="delete an adapter and its exports")
-    de.add_argument("adapter_id")
+    de = ads.add_parser(
+        "delete",
+        parents=[parent],
+        help="delete an adapter and its exports (asks first)",
+        description="Asks for confirmation on a terminal; without one (scripts, pipes) --yes is required.",
+    )
+    de.add_argument("adapter_id", help="adapter id, or a job id (job_...) whose adapter to delete")
+    de.add_argument("-y", "--yes", action="store_true", help="delete without asking")
     de.set_defaults(func=adapters_delete)
 
     gen = sub.add_parser("generate", parents=[parent], help="generate text with the base model or an adapter")
@@ -90,7 +99,7 @@ def adapters_list(args: argparse.Namespace) -> int:
                 a.base_model,
                 a.lora.rank,
                 a.steps,
-                f"{a.eval_loss_before:.3f} -> {a.eval_loss_after:.3f}",
+                loss_change(a.eval_loss_before, a.eval_loss_after),
                 human_bytes(a.size_bytes),
                 when(a.created_at_ms),
             )
@@ -100,8 +109,18 @@ def adapters_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _loss(x: float) -> str:
+    return "-" if math.isnan(x) or x <= 0 else f"{x:.3f}"
+
+
+def loss_change(before: float, after: float) -> str:
+    """ "2.340 -> 1.860"; a loss that was not measured (NaN or 0) shows as "-", both unmeasured as "-"."""
+    b, a = _loss(before), _loss(after)
+    return "-" if b == a == "-" else f"{b} -> {a}"
+
+
 def adapters_show(args: argparse.Namespace) -> int:
-    """Shows one adapter."""
+    """Shows one adapter: a summary, and every layer's precision with --layers."""
     with make_client(args) as c:
         a = c.get_adapter(args.adapter_id)
     if opt(args, "json"):
@@ -111,12 +130,21 @@ def adapters_show(args: argparse.Namespace) -> int:
     print(f"base     {a.base_model} sha256 {a.base_model_sha256[:16]}…")
     print(f"lora     rank {a.lora.rank}, alpha {a.lora.alpha:g}, targets {','.join(a.lora.target_modules) or 'all'}")
     print(
-        f"trained  {a.steps} steps on {a.sample_count} samples; held-out loss {a.eval_loss_before:.3f} -> "
-        f"{a.eval_loss_after:.3f}; train loss {a.train_loss:.3f}"
+        f"trained  {a.steps} steps on {a.sample_count} samples; held-out loss "
+        f"{loss_change(a.eval_loss_before, a.eval_loss_after)}; train loss {_loss(a.train_loss)}"
     )
-    if a.precision_plan:
-        print_table([(p.layer, p.forward, p.backward) for p in a.precision_plan], ("LAYER", "FORWARD", "BACKWARD"))
+    plan = a.precision_plan
+    if plan and args.layers:
+        print_table([(p.layer, p.forward, p.backward) for p in plan], ("LAYER", "FORWARD", "BACKWARD"))
+    elif plan:
+        counts = collections.Counter(f"{_value(p.forward)}/{_value(p.backward)}" for p in plan)
+        mix = ", ".join(f"{n} {k}" for k, n in counts.most_common())
+        print(f"layers   {len(plan)} (forward/backward precision: {mix}); --layers lists each")
     return EXIT_OK
+
+
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
 
 
 class _PullProgress:
@@ -157,7 +185,14 @@ def adapters_pull(args: argparse.Namespace) -> int:
 
 
 def adapters_delete(args: argparse.Namespace) -> int:
-    """Deletes an adapter."""
+    """Deletes an adapter after a confirmation on a terminal (or with --yes)."""
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ValueError(f"not deleting {args.adapter_id} without confirmation: no terminal to ask on; pass --yes")
+        answer = input(f"delete adapter {args.adapter_id} and its exports? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not deleted", file=sys.stderr)
+            return EXIT_FAILURE
     with make_client(args) as c:
         freed = c.delete_adapter(args.adapter_id)
     if opt(args, "json"):

@@ -84,7 +84,7 @@ class JobManager:
             FailedPrecondition: the job is final (the message names its state).
         """
         job = self.jobs.get(job_id, app_id)
-        detail = "paused by PauseJob; call ResumeJob to continue"
+        detail = f"paused by the user; continue with `lorad jobs resume {job_id}`"
         if job.state is JobState.RUNNING:
             if not self.runner.request_pause(job_id, JobState.PAUSED, Blocked.PAUSED_BY_USER, detail):
                 raise FailedPrecondition(f"job {job_id} is RUNNING but not on the NPU yet; retry")
@@ -96,7 +96,7 @@ class JobManager:
                 app_id=app_id,
                 blocked=Blocked.PAUSED_BY_USER,
                 detail=detail,
-                message="paused by PauseJob",
+                message="paused by the user",
             )
             self.hub.notify()
             self.runner.reconcile()

@@ -290,3 +290,29 @@ def test_data_add_reads_json_files_and_reports_errors_as_json(fake: FakeDaemon, 
     assert r.returncode == 4 and err["code"] == "INVALID_ARGUMENT" and f"{tmp_path / 'b.json'}:3:" in err["message"]
     r = run(fake, tmp_path, "data", "add", "diary", str(tmp_path / "missing.txt"), "--json", token=tok)
     assert r.returncode == 4 and "no such file" in json.loads(r.stderr)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--steps", "-5"), "--steps must be ≥ 1, got -5"),
+        (("--steps", "0"), "--steps must be ≥ 1, got 0"),
+        (("--rank", "0"), "--rank must be 1 to 128, got 0"),
+        (("--lr", "0"), "--lr must be > 0, got 0"),
+        (("--eval-fraction", "0.9"), "--eval-fraction must be > 0 and ≤ 0.5, got 0.9"),
+    ],
+)
+def test_train_options_out_of_range_name_the_option(argv: tuple[str, ...], message: str, tmp_path: Path) -> None:
+    # Checked before any call: no daemon (and no token) is needed to be told what is wrong.
+    r = run(None, tmp_path, "train", "diary", *argv, token="t")
+    assert r.returncode == 4 and r.stderr.strip() == f"lorad: error: {message}", r.stderr
+    r = run(None, tmp_path, "train", "diary", *argv, "--json", token="t")
+    assert r.returncode == 4 and json.loads(r.stderr)["error"]["message"] == message
+
+
+def test_usage_errors_are_json_under_json(tmp_path: Path) -> None:
+    r = run(None, tmp_path, "train", "diary", "--steps", "x", "--json")
+    err = json.loads(r.stderr)["error"]
+    assert r.returncode == 2 and err["code"] == "USAGE" and "--steps" in err["message"] and "'x'" in err["message"]
+    r = run(None, tmp_path, "adapters", "frobnicate", "--json")
+    assert r.returncode == 2 and json.loads(r.stderr)["error"]["code"] == "USAGE"

@@ -173,3 +173,35 @@ def test_status_reports_the_models_family_weight_count_and_hash(make_daemon: Any
     assert m["sha256"] == loaded.model_hash and len(m["sha256"]) == 64
     r = lorad(tmp_path, h, "status")
     assert f"({m['family']}, {round(expected / 1e3)}K params) default" in r.stdout, r.stdout
+
+
+def test_adapters_list_show_delete_and_pull_into_a_new_directory(make_daemon: Any, tmp_path: Path) -> None:
+    h = make_daemon()
+    assert lorad(tmp_path, h, "app", "register", "notes", "--save").returncode == 0
+    (tmp_path / "n.txt").write_text("\n\n".join(f"Note {i}: the lazy dog sleeps." for i in range(12)))
+    assert lorad(tmp_path, h, "data", "add", "diary", str(tmp_path / "n.txt"), "--split", "paragraph").returncode == 0
+    r = lorad(tmp_path, h, "train", "diary", "--steps", "2", "--seq-len", "32", "--rank", "2", "--eval-every", "1000",
+              "--watch", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job = json.loads(r.stdout.splitlines()[-1])["job"]
+    listing = lorad(tmp_path, h, "adapters", "list").stdout
+    assert job["adapter_id"] in listing and "nan" not in listing, listing
+    # `show` takes the job id like `delete` does, and prints a summary instead of one row per layer.
+    shown = lorad(tmp_path, h, "adapters", "show", job["job_id"])
+    assert shown.returncode == 0 and job["adapter_id"] in shown.stdout and "--layers lists each" in shown.stdout
+    assert len(shown.stdout.splitlines()) <= 6 and "nan" not in shown.stdout, shown.stdout
+    plan = json.loads(lorad(tmp_path, h, "adapters", "show", job["adapter_id"], "--json").stdout)["precision_plan"]
+    assert f"layers   {len(plan)} (" in shown.stdout
+    layers = lorad(tmp_path, h, "adapters", "show", job["adapter_id"], "--layers").stdout.splitlines()
+    assert layers[-1 - len(plan)].split() == ["LAYER", "FORWARD", "BACKWARD"]
+    # -o dir/ creates the directory and writes inside it.
+    r = lorad(tmp_path, h, "adapters", "pull", job["job_id"], "-o", f"{tmp_path}/new/", "--json")
+    assert r.returncode == 0, r.stderr
+    assert Path(json.loads(r.stdout)["path"]).parent == tmp_path / "new"
+    # delete asks first; without a terminal it refuses unless --yes.
+    r = lorad(tmp_path, h, "adapters", "delete", job["job_id"])
+    assert r.returncode == 4 and "--yes" in r.stderr
+    assert job["adapter_id"] in lorad(tmp_path, h, "adapters", "list").stdout
+    r = lorad(tmp_path, h, "adapters", "delete", job["job_id"], "--yes")
+    assert r.returncode == 0 and "deleted" in r.stdout
+    assert lorad(tmp_path, h, "adapters", "list").stdout.strip() == "(none)"

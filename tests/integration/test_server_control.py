@@ -41,6 +41,8 @@ def test_pause_and_resume_by_rpc_continues_from_the_checkpoint(make_daemon) -> N
     assert p.state in (S.JOB_STATE_PAUSING, S.JOB_STATE_PAUSED)
     p = wait_state(app, job.job_id, {S.JOB_STATE_PAUSED})
     assert p.blocked_reason == S.BLOCKED_REASON_PAUSED_BY_USER
+    # The detail names the CLI verb, not an RPC (apps show it to people).
+    assert p.blocked_detail == f"paused by the user; continue with `lorad jobs resume {job.job_id}`"
     at = p.progress.step
     assert 2 <= at < 60
     cks = app.jobs.ListCheckpoints(S.ListCheckpointsRequest(job_id=job.job_id), metadata=app.md).checkpoints
