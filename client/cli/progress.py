@@ -43,22 +43,56 @@ def phase_text(job: Job) -> str:
     return label
 
 
+def _stats_parts(job: Job) -> list[tuple[str, str]]:
+    """(name, text) of each progress field, in display order."""
+    p = job.progress
+    parts = [("step", f"step {p.step}/{p.total_steps or '?'}")]
+    if p.step:
+        parts.append(("loss", f"loss {p.train_loss:.3f}"))
+    if p.eval_loss is not None:
+        parts.append(("eval", f"eval {p.eval_loss:.3f}"))
+        if p.eval_loss_before is not None:
+            parts.append(("base", f"(base {p.eval_loss_before:.3f})"))
+    if p.tokens_per_second:
+        parts.append(("tok/s", f"{p.tokens_per_second:.0f} tok/s"))
+    if job.state is JobState.RUNNING:
+        parts.append(("eta", f"ETA {format_eta(p.eta_seconds)}"))
+    return parts
+
+
 def stats_text(job: Job) -> str:
     """Phase, step, losses, throughput and ETA of a job's latest progress."""
     p = job.progress
     if phase := phase_text(job):
         return f"{phase}  step {p.step}/{p.total_steps or '?'}"
-    parts = [f"step {p.step}/{p.total_steps or '?'}"]
-    if p.step:
-        parts.append(f"loss {p.train_loss:.3f}")
-    if p.eval_loss is not None:
-        before = f" (base {p.eval_loss_before:.3f})" if p.eval_loss_before is not None else ""
-        parts.append(f"eval {p.eval_loss:.3f}{before}")
-    if p.tokens_per_second:
-        parts.append(f"{p.tokens_per_second:.0f} tok/s")
-    if job.state is JobState.RUNNING:
-        parts.append(f"ETA {format_eta(p.eta_seconds)}")
-    return "  ".join(parts)
+    return "  ".join(text for _, text in _stats_parts(job))
+
+
+MIN_BAR = 10  # cells: narrower than this a bar says nothing
+# Dropped in this order when a terminal line is too narrow; tok/s and ETA always stay.
+_DROP_ORDER = ("job", "base", "eval", "loss")
+
+
+def bar_line(job: Job, width: int) -> str:
+    """The live line for a terminal of ``width`` columns: bar and stats, never wider than ``width - 1``.
+
+    When it does not fit, the job id, the base loss, the held-out loss and the training loss go first, then the bar
+    shrinks to MIN_BAR cells; throughput and ETA are kept.
+    """
+    p = job.progress
+    frac = p.step / p.total_steps if p.total_steps else 0.0
+    phase = phase_text(job)
+    parts = [("phase", f"{phase}  step {p.step}/{p.total_steps or '?'}")] if phase else _stats_parts(job)
+    dropped: set[str] = set()
+    for drop in (None, *_DROP_ORDER):
+        if drop is not None:
+            dropped.add(drop)
+        text = "  ".join(t for k, t in parts if k not in dropped)
+        prefix = "" if "job" in dropped else f"{job.job_id} "
+        room = width - 1 - len(prefix) - len(text) - 3  # brackets and a space
+        if room >= MIN_BAR:
+            return f"{prefix}{bar(frac, min(40, room))} {text}"
+    return f"{bar(frac, MIN_BAR)} {text}"[: width - 1]
 
 
 def bar(fraction: float, width: int) -> str:
@@ -115,12 +149,7 @@ class ProgressView:
             print(f"{job.job_id} {stats_text(job)}", file=self.out, flush=True)
 
     def _redraw(self, job: Job) -> None:
-        p = job.progress
-        text = stats_text(job)
-        width = shutil.get_terminal_size((100, 20)).columns
-        bar_width = max(10, min(40, width - len(text) - len(job.job_id) - 6))
-        frac = p.step / p.total_steps if p.total_steps else 0.0
-        line = f"{job.job_id} {bar(frac, bar_width)} {text}"[: width - 1]
+        line = bar_line(job, shutil.get_terminal_size((100, 20)).columns)
         self.out.write("\r\x1b[2K" + line)
         self.out.flush()
         self._live = True

@@ -75,6 +75,7 @@ def test_sdk_example_runs_against_a_real_daemon(doc: Path, make_daemon: Any, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 40 steps of the real 135M model on a shared 2-core host
 def test_sdk_example_with_the_default_model(lorad_serve: Any, tmp_path: Path) -> None:
     import importlib.util
 

@@ -68,3 +68,21 @@ def test_phase_is_shown_in_words_with_its_fraction() -> None:
         "job_1 planning precisions 40 %  step 0/10",
         "job_1 warning: no held-out samples (1 usable)",
     ]
+
+
+def test_bar_fits_80_columns_and_keeps_throughput_and_eta() -> None:
+    import dataclasses
+
+    from lorad.client.cli.progress import bar_line
+
+    p = t.JobProgress(step=40, total_steps=100, train_loss=1.2345, eval_loss=1.8765, eval_loss_before=2.3456,
+                      tokens_per_second=234.0, eta_seconds=83)  # fmt: skip
+    j = dataclasses.replace(job(t.JobState.RUNNING), job_id="job_01a23baac8228e04de16", progress=p)
+    for width in (60, 80, 100, 200):
+        line = bar_line(j, width)
+        assert len(line) <= width - 1, (width, line)
+        assert line.endswith("234 tok/s  ETA 1:23"), (width, line)
+        assert "[" in line and "step 40/100" in line
+    wide = bar_line(j, 200)
+    assert wide.startswith("job_01a23baac8228e04de16 [") and "(base 2.346)" in wide
+    assert "loss 1.234" in bar_line(j, 80)  # at 80 columns only the job id and the base loss make room
