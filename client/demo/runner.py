@@ -234,5 +234,9 @@ class Demo:
         if r.eval_curve:
             points = " → ".join(f"step {s} {v:.3f}" for s, v in r.eval_curve)
             print(f"held-out loss during training: {points}", file=w)
-        print(f"adapter: {r.adapter_path} (sha256 {r.adapter_sha256})", file=w)
+        if self.s.keep:
+            print(f"adapter: {r.adapter_path} (sha256 {r.adapter_sha256})", file=w)
+        else:  # the file went with the temporary directory: naming its path would point at nothing
+            print(f"adapter: sha256 {r.adapter_sha256}, removed with the demo's temporary directory "
+                  "(run with --keep to keep it)", file=w)  # fmt: skip
         print(f"demo took {r.seconds:.0f} s", file=w, flush=True)

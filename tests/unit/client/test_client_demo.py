@@ -35,7 +35,21 @@ def test_every_question_fact_is_taught_but_no_question_is_verbatim() -> None:
     assert len(questions) >= 4
     for q in questions:
         assert q.question not in user_turns, q.question
-        assert persona.mentions_fact(corpus, q), q.facts
+        assert persona.states_fact(corpus, q), q.facts
+
+
+def test_a_keyword_with_a_wrong_claim_gets_no_check_mark() -> None:
+    by_q = {q.question: q for q in persona.load_questions()}
+    sister = by_q["Where does my sister Elin live?"]
+    assert not persona.mentions_fact("Elin lives in Umeå, in the south of Sweden.", sister)
+    assert persona.mentions_fact("Elin lives in Umeå, up north.", sister)
+    dog = by_q["What is my dog called?"]
+    assert not persona.mentions_fact("Tofu is a type of vegan vegan vegan food.", dog)
+    assert persona.mentions_fact("Your dog is Tofu, a grey whippet.", dog)
+    running = by_q["On which days do I go running?"]
+    assert not persona.mentions_fact("You run on Tuesdays.", running)  # half the answer
+    assert not persona.mentions_fact("Tuesday, Thursday and Saturday.", running)
+    assert persona.mentions_fact("Tuesdays and Thursdays at six, and a long run on Sunday.", running)
 
 
 def test_mentions_fact_ignores_case_and_accents() -> None:
@@ -94,6 +108,11 @@ def test_report_counts_recalled_facts() -> None:
     text = out.getvalue()
     assert "facts recalled: base 0/2, adapter 2/2" in text and "before 3.200 → after 1.100" in text
     assert "✓ adapter: Your dog is Tofu." in text and "· base   : I do not know." in text
+    # Without --keep the adapter file is gone with the temp dir: its path is not printed.
+    assert "/x/a.tar" not in text and "removed with the demo's temporary directory (run with --keep" in text
+    kept = io.StringIO()
+    Demo(DemoSettings(keep=True), kept).report(r)
+    assert f"adapter: /x/a.tar (sha256 {'ab' * 32})" in kept.getvalue()
 
 
 def test_report_says_when_the_daemon_did_not_measure_a_loss() -> None:
