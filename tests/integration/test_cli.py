@@ -316,3 +316,19 @@ def test_usage_errors_are_json_under_json(tmp_path: Path) -> None:
     assert r.returncode == 2 and err["code"] == "USAGE" and "--steps" in err["message"] and "'x'" in err["message"]
     r = run(None, tmp_path, "adapters", "frobnicate", "--json")
     assert r.returncode == 2 and json.loads(r.stderr)["error"]["code"] == "USAGE"
+
+
+def test_two_processes_pulling_to_one_path_leave_one_verified_file(fake: FakeDaemon, tmp_path: Path) -> None:
+    fake.state.download_chunk_delay_s = 0.2  # ~2 s per download: the two processes overlap
+    tok = fake.app_token("notes")
+    dest = tmp_path / "out" / "a.tar"
+    e = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    e.update(LORAD_CLIENT_CONFIG=str(tmp_path / "client.toml"), HOME=str(tmp_path), LORAD_TARGET=fake.target,
+             LORAD_TOKEN=tok)  # fmt: skip
+    argv = [sys.executable, "-m", "lorad.client.cli", "adapters", "pull", "ad_1", "-o", str(dest), "--force", "--json"]
+    procs = [subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert dest.read_bytes() == fake.state.adapter_blob
+    assert len(fake.state.download_offsets) == 2  # both downloaded (one after the other), neither appended twice
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["a.tar"]
