@@ -71,6 +71,19 @@ def test_import_train_from_it_with_a_frozen_and_compose(make_daemon: Any, tiny_l
         # Generate composes adapters: global + trained; greedy output is deterministic and differs from either alone.
         both = c.generate_text("Note 3?", adapter=imported.adapter_id, extra_adapters=[job], max_tokens=8)
         assert both == c.generate_text("Note 3?", adapter=imported.adapter_id, extra_adapters=[job], max_tokens=8)
+    # The CLI takes the same composition.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    env |= {"HOME": str(tmp_path), "LORAD_CLIENT_CONFIG": str(tmp_path / "client.toml"), "LORAD_TOKEN": token,
+            "LORAD_TARGET": f"unix:{d.daemon.socket_path}"}  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "lorad.client.cli", "generate", "Note 3?", "--adapter",
+                        imported.adapter_id, "--with-adapter", job.adapter_id, "--max-tokens", "8", "--json"],
+                       check=False, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert __import__("json").loads(r.stdout)["text"] == both
 
 
 def test_import_refuses_another_base_bad_digest_and_foreign_members(make_daemon: Any, tiny_llama: Path,
