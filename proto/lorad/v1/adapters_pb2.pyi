@@ -35,8 +35,9 @@ class _AdapterFormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Adapter
     ADAPTER_FORMAT_GGUF: _AdapterFormat.ValueType  # 2
     """llama.cpp LoRA adapter (one .gguf file, `--lora`)."""
     ADAPTER_FORMAT_MERGED: _AdapterFormat.ValueType  # 3
-    """The base model with the adapter merged in: an uncompressed tar of config.json, model.safetensors (fp16)
-    and the tokenizer files.
+    """The base model with the adapter merged in: an uncompressed tar of config.json, model.safetensors and the
+    tokenizer files. Weights are in the base's own precision: the dtype of a Hugging Face base folder (bf16, fp16
+    or fp32), fp16 for a GGUF base (its quantized weights have no float precision of their own).
     """
 
 class AdapterFormat(_AdapterFormat, metaclass=_AdapterFormatEnumTypeWrapper):
@@ -51,8 +52,9 @@ lorad_metadata.json; `peft.PeftModel.from_pretrained` reads the extracted folder
 ADAPTER_FORMAT_GGUF: AdapterFormat.ValueType  # 2
 """llama.cpp LoRA adapter (one .gguf file, `--lora`)."""
 ADAPTER_FORMAT_MERGED: AdapterFormat.ValueType  # 3
-"""The base model with the adapter merged in: an uncompressed tar of config.json, model.safetensors (fp16)
-and the tokenizer files.
+"""The base model with the adapter merged in: an uncompressed tar of config.json, model.safetensors and the
+tokenizer files. Weights are in the base's own precision: the dtype of a Hugging Face base folder (bf16, fp16
+or fp32), fp16 for a GGUF base (its quantized weights have no float precision of their own).
 """
 Global___AdapterFormat: _TypeAlias = AdapterFormat  # noqa: Y015
 

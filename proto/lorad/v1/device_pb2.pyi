@@ -213,6 +213,136 @@ class ModelInfo(_message.Message):
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
 
 @_typing.final
+class AppDiskUsage(_message.Message):
+    """Bytes one app's state takes on disk."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APP_ID_FIELD_NUMBER: _builtins.int
+    DATA_BYTES_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_BYTES_FIELD_NUMBER: _builtins.int
+    ADAPTER_BYTES_FIELD_NUMBER: _builtins.int
+    EXPORT_BYTES_FIELD_NUMBER: _builtins.int
+    app_id: _builtins.str
+    """The app."""
+    data_bytes: _builtins.int
+    """Its samples, as stored in the database (content bytes)."""
+    checkpoint_bytes: _builtins.int
+    """Checkpoints of its unfinished jobs (deleted when a job succeeds or is cancelled)."""
+    adapter_bytes: _builtins.int
+    """Its trained adapters (PEFT folders)."""
+    export_bytes: _builtins.int
+    """Cached download files (PEFT tar, GGUF, merged model); rebuilt on demand, removed by CollectGarbage."""
+    def __init__(
+        self,
+        *,
+        app_id: _builtins.str = ...,
+        data_bytes: _builtins.int = ...,
+        checkpoint_bytes: _builtins.int = ...,
+        adapter_bytes: _builtins.int = ...,
+        export_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_bytes", b"adapter_bytes", "app_id", b"app_id", "checkpoint_bytes", b"checkpoint_bytes", "data_bytes", b"data_bytes", "export_bytes", b"export_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppDiskUsage: _TypeAlias = AppDiskUsage  # noqa: Y015
+
+@_typing.final
+class GetDiskUsageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDiskUsageRequest: _TypeAlias = GetDiskUsageRequest  # noqa: Y015
+
+@_typing.final
+class GetDiskUsageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPS_FIELD_NUMBER: _builtins.int
+    CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    DATABASE_BYTES_FIELD_NUMBER: _builtins.int
+    EXPORT_CACHE_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    cache_bytes: _builtins.int
+    """Owner only (0 for apps): converted models, precision plans and backend caches shared by all apps; rebuildable."""
+    database_bytes: _builtins.int
+    """Owner only (0 for apps): the database files."""
+    export_cache_limit_bytes: _builtins.int
+    """All apps' cached exports are kept below this many bytes (least recently downloaded go first); 0 = no cap."""
+    @_builtins.property
+    def apps(self) -> _containers.RepeatedCompositeFieldContainer[Global___AppDiskUsage]:
+        """The calling app only; every registered app for the owner."""
+
+    def __init__(
+        self,
+        *,
+        apps: _abc.Iterable[Global___AppDiskUsage] | None = ...,
+        cache_bytes: _builtins.int = ...,
+        database_bytes: _builtins.int = ...,
+        export_cache_limit_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apps", b"apps", "cache_bytes", b"cache_bytes", "database_bytes", b"database_bytes", "export_cache_limit_bytes", b"export_cache_limit_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDiskUsageResponse: _TypeAlias = GetDiskUsageResponse  # noqa: Y015
+
+@_typing.final
+class CollectGarbageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectGarbageRequest: _TypeAlias = CollectGarbageRequest  # noqa: Y015
+
+@_typing.final
+class CollectGarbageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FREED_BYTES_FIELD_NUMBER: _builtins.int
+    REMOVED_FILES_FIELD_NUMBER: _builtins.int
+    CACHES_KEPT_REASON_FIELD_NUMBER: _builtins.int
+    freed_bytes: _builtins.int
+    """Bytes deleted."""
+    removed_files: _builtins.int
+    """Files deleted."""
+    caches_kept_reason: _builtins.str
+    """Owner only: why the shared caches were kept, e.g. "a job is training"; empty when they were removed."""
+    def __init__(
+        self,
+        *,
+        freed_bytes: _builtins.int = ...,
+        removed_files: _builtins.int = ...,
+        caches_kept_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches_kept_reason", b"caches_kept_reason", "freed_bytes", b"freed_bytes", "removed_files", b"removed_files"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectGarbageResponse: _TypeAlias = CollectGarbageResponse  # noqa: Y015
+
+@_typing.final
 class GetDeviceStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -40,6 +40,16 @@ class DeviceServiceStub:
                 request_serializer=lorad_dot_v1_dot_device__pb2.GetDeviceStatusRequest.SerializeToString,
                 response_deserializer=lorad_dot_v1_dot_device__pb2.GetDeviceStatusResponse.FromString,
                 _registered_method=True)
+        self.GetDiskUsage = channel.unary_unary(
+                '/lorad.v1.DeviceService/GetDiskUsage',
+                request_serializer=lorad_dot_v1_dot_device__pb2.GetDiskUsageRequest.SerializeToString,
+                response_deserializer=lorad_dot_v1_dot_device__pb2.GetDiskUsageResponse.FromString,
+                _registered_method=True)
+        self.CollectGarbage = channel.unary_unary(
+                '/lorad.v1.DeviceService/CollectGarbage',
+                request_serializer=lorad_dot_v1_dot_device__pb2.CollectGarbageRequest.SerializeToString,
+                response_deserializer=lorad_dot_v1_dot_device__pb2.CollectGarbageResponse.FromString,
+                _registered_method=True)
 
 
 class DeviceServiceServicer:
@@ -53,6 +63,21 @@ class DeviceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDiskUsage(self, request, context):
+        """Disk used by the calling app's state (the owner: every app's, plus the shared caches).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectGarbage(self, request, context):
+        """Deletes files that are rebuilt on demand: the calling app's cached exports (the owner: every app's, and the
+        shared model caches when no job is training). Nothing an app stored or trained is removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeviceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +85,16 @@ def add_DeviceServiceServicer_to_server(servicer, server):
                     servicer.GetDeviceStatus,
                     request_deserializer=lorad_dot_v1_dot_device__pb2.GetDeviceStatusRequest.FromString,
                     response_serializer=lorad_dot_v1_dot_device__pb2.GetDeviceStatusResponse.SerializeToString,
+            ),
+            'GetDiskUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDiskUsage,
+                    request_deserializer=lorad_dot_v1_dot_device__pb2.GetDiskUsageRequest.FromString,
+                    response_serializer=lorad_dot_v1_dot_device__pb2.GetDiskUsageResponse.SerializeToString,
+            ),
+            'CollectGarbage': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectGarbage,
+                    request_deserializer=lorad_dot_v1_dot_device__pb2.CollectGarbageRequest.FromString,
+                    response_serializer=lorad_dot_v1_dot_device__pb2.CollectGarbageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +125,60 @@ class DeviceService:
             '/lorad.v1.DeviceService/GetDeviceStatus',
             lorad_dot_v1_dot_device__pb2.GetDeviceStatusRequest.SerializeToString,
             lorad_dot_v1_dot_device__pb2.GetDeviceStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDiskUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorad.v1.DeviceService/GetDiskUsage',
+            lorad_dot_v1_dot_device__pb2.GetDiskUsageRequest.SerializeToString,
+            lorad_dot_v1_dot_device__pb2.GetDiskUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectGarbage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorad.v1.DeviceService/CollectGarbage',
+            lorad_dot_v1_dot_device__pb2.CollectGarbageRequest.SerializeToString,
+            lorad_dot_v1_dot_device__pb2.CollectGarbageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,12 @@ class DeviceServiceStub:
     def __new__(cls, channel: _aio.Channel) -> DeviceServiceAsyncStub: ...
     GetDeviceStatus: _grpc.UnaryUnaryMultiCallable[_device_pb2.GetDeviceStatusRequest, _device_pb2.GetDeviceStatusResponse]
     """Gets the device status. Any app may call it."""
+    GetDiskUsage: _grpc.UnaryUnaryMultiCallable[_device_pb2.GetDiskUsageRequest, _device_pb2.GetDiskUsageResponse]
+    """Disk used by the calling app's state (the owner: every app's, plus the shared caches)."""
+    CollectGarbage: _grpc.UnaryUnaryMultiCallable[_device_pb2.CollectGarbageRequest, _device_pb2.CollectGarbageResponse]
+    """Deletes files that are rebuilt on demand: the calling app's cached exports (the owner: every app's, and the
+    shared model caches when no job is training). Nothing an app stored or trained is removed.
+    """
 
 @_typing.type_check_only
 class DeviceServiceAsyncStub(DeviceServiceStub):
@@ -43,6 +49,12 @@ class DeviceServiceAsyncStub(DeviceServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetDeviceStatus: _aio.UnaryUnaryMultiCallable[_device_pb2.GetDeviceStatusRequest, _device_pb2.GetDeviceStatusResponse]  # type: ignore[assignment]
     """Gets the device status. Any app may call it."""
+    GetDiskUsage: _aio.UnaryUnaryMultiCallable[_device_pb2.GetDiskUsageRequest, _device_pb2.GetDiskUsageResponse]  # type: ignore[assignment]
+    """Disk used by the calling app's state (the owner: every app's, plus the shared caches)."""
+    CollectGarbage: _aio.UnaryUnaryMultiCallable[_device_pb2.CollectGarbageRequest, _device_pb2.CollectGarbageResponse]  # type: ignore[assignment]
+    """Deletes files that are rebuilt on demand: the calling app's cached exports (the owner: every app's, and the
+    shared model caches when no job is training). Nothing an app stored or trained is removed.
+    """
 
 class DeviceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Reports backend, device conditions and what the current job waits for."""
@@ -54,5 +66,23 @@ class DeviceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_device_pb2.GetDeviceStatusResponse, _abc.Awaitable[_device_pb2.GetDeviceStatusResponse]]:
         """Gets the device status. Any app may call it."""
+
+    @_abc_1.abstractmethod
+    def GetDiskUsage(
+        self,
+        request: _device_pb2.GetDiskUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_device_pb2.GetDiskUsageResponse, _abc.Awaitable[_device_pb2.GetDiskUsageResponse]]:
+        """Disk used by the calling app's state (the owner: every app's, plus the shared caches)."""
+
+    @_abc_1.abstractmethod
+    def CollectGarbage(
+        self,
+        request: _device_pb2.CollectGarbageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_device_pb2.CollectGarbageResponse, _abc.Awaitable[_device_pb2.CollectGarbageResponse]]:
+        """Deletes files that are rebuilt on demand: the calling app's cached exports (the owner: every app's, and the
+        shared model caches when no job is training). Nothing an app stored or trained is removed.
+        """
 
 def add_DeviceServiceServicer_to_server(servicer: DeviceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
