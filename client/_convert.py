@@ -342,6 +342,18 @@ def generate_chunk(m: inference_pb2.GenerateResponse) -> t.GenerateChunk:
     return t.GenerateChunk(m.text, m.token_count, FINISH.py(m.finish_reason), m.prompt_token_count)
 
 
+def disk_usage(m: device_pb2.GetDiskUsageResponse) -> t.DiskUsage:
+    """Converts disk usage."""
+    apps = tuple(t.AppDiskUsage(a.app_id, a.data_bytes, a.checkpoint_bytes, a.adapter_bytes, a.export_bytes)
+                 for a in m.apps)  # fmt: skip
+    return t.DiskUsage(apps, m.cache_bytes, m.database_bytes, m.export_cache_limit_bytes)
+
+
+def garbage_collected(m: device_pb2.CollectGarbageResponse) -> t.GarbageCollected:
+    """Converts a garbage collection result."""
+    return t.GarbageCollected(m.freed_bytes, m.removed_files, m.caches_kept_reason)
+
+
 def device_status(m: device_pb2.GetDeviceStatusResponse) -> t.DeviceStatus:
     """Converts the device status."""
     b, r = m.backend, m.readings

@@ -573,6 +573,18 @@ class AsyncClient:
         """Like generate(), but returns the whole text."""
         return "".join([c.text async for c in self.generate(prompt, **kwargs)])
 
+    async def disk_usage(self) -> t.DiskUsage:
+        """Bytes on disk: this app's data, checkpoints, adapters and exports (the owner token: every app's, plus
+        the shared caches and the database)."""
+        resp = await self._unary("GetDiskUsage", self._device.GetDiskUsage, device_pb2.GetDiskUsageRequest())
+        return conv.disk_usage(resp)
+
+    async def collect_garbage(self) -> t.GarbageCollected:
+        """Deletes rebuildable files: this app's cached exports (the owner token: every app's, and the shared
+        model caches when no job trains)."""
+        resp = await self._unary("CollectGarbage", self._device.CollectGarbage, device_pb2.CollectGarbageRequest())
+        return conv.garbage_collected(resp)
+
     async def device_status(self) -> t.DeviceStatus:
         """Backend, device readings, whether training may run and what the app's current job waits for."""
         resp = await self._unary("GetDeviceStatus", self._device.GetDeviceStatus, device_pb2.GetDeviceStatusRequest())

@@ -24,6 +24,8 @@ IDEMPOTENT_METHODS = frozenset(
         "ListAdapters",
         "GetAdapter",
         "GetDeviceStatus",
+        "GetDiskUsage",
+        "CollectGarbage",
     }
 )
 

@@ -276,6 +276,14 @@ class Client:
         """Returns the whole generated text."""
         return self._loop.run(self._aio.generate_text(prompt, **kwargs))
 
+    def disk_usage(self) -> t.DiskUsage:
+        """Bytes on disk (see AsyncClient.disk_usage)."""
+        return self._loop.run(self._aio.disk_usage())
+
+    def collect_garbage(self) -> t.GarbageCollected:
+        """Deletes rebuildable files (see AsyncClient.collect_garbage)."""
+        return self._loop.run(self._aio.collect_garbage())
+
     def device_status(self) -> t.DeviceStatus:
         """Backend, device readings and what the app's current job waits for."""
         return self._loop.run(self._aio.device_status())

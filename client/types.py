@@ -523,6 +523,41 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class AppDiskUsage:
+    """Bytes one app's state takes on disk; exports are rebuilt on demand (`collect_garbage` removes them)."""
+
+    app_id: str
+    data_bytes: int
+    checkpoint_bytes: int
+    adapter_bytes: int
+    export_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """All of the app's bytes."""
+        return self.data_bytes + self.checkpoint_bytes + self.adapter_bytes + self.export_bytes
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """Disk use: the calling app's (the owner: every app's, the shared caches and the database)."""
+
+    apps: tuple[AppDiskUsage, ...]
+    cache_bytes: int
+    database_bytes: int
+    export_cache_limit_bytes: int  # 0 = no cap
+
+
+@dataclass(frozen=True)
+class GarbageCollected:
+    """What `collect_garbage` deleted; `caches_kept_reason` says why the owner's shared caches stayed."""
+
+    freed_bytes: int
+    removed_files: int
+    caches_kept_reason: str
+
+
+@dataclass(frozen=True)
 class DeviceStatus:
     """Backend, device conditions and what the calling app's current job waits for."""
 

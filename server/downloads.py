@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import tarfile
 import threading
 from pathlib import Path
@@ -10,10 +11,11 @@ from typing import BinaryIO
 
 from safetensors import SafetensorError
 
+from lorad.server.disk import enforce_export_cap
 from lorad.server.domain import AdapterRec
 from lorad.server.engine.models.atomic import atomic_write
 from lorad.server.errors import FailedPrecondition
-from lorad.server.jobs.files import remove_tree
+from lorad.server.jobs.files import Layout, remove_tree
 from lorad.server.modelhost import ModelHost
 
 CHUNK = 1024 * 1024  # DownloadAdapter chunks are at most 1 MiB
@@ -74,11 +76,16 @@ def _merged(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
         remove_tree(folder)
 
 
-def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, int, str, str]:
+def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost, layout: Layout | None = None,
+                 cap_bytes: int = 0) -> tuple[BinaryIO, int, str, str]:  # fmt: skip
     """The file for ``fmt`` ("peft", "gguf", "merged"), built on first request and cached next to the adapter.
 
+    The file is opened under its lock, so evicting it later (the export-cache cap, gc) cannot pull it away from
+    this download. With ``layout`` and ``cap_bytes`` > 0, building a new file first evicts least recently served
+    exports of all apps so they stay below ``cap_bytes``.
+
     Returns:
-        (path, size in bytes, sha256 hex, suggested filename).
+        (open file, size in bytes, sha256 hex, suggested filename); the caller closes the file.
 
     Raises:
         FailedPrecondition: the base model needed for an export is not available.
@@ -92,8 +99,10 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, in
     }[fmt]
     dest = base / name
     digest = dest.with_name(name + ".sha256")
+    built = False
     with _lock(str(dest)):
         if not dest.exists() or not digest.exists():
+            built = True
             try:
                 if fmt == "peft":
                     _tar_dir(Path(rec.path), dest)
@@ -109,4 +118,9 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost) -> tuple[Path, in
                     f"({type(exc).__name__}); delete it and train again"
                 ) from None
             atomic_write(digest, lambda f: f.write(_sha256(dest).encode()), tmp_prefix=".tmp-")
-    return dest, dest.stat().st_size, digest.read_text().strip(), name
+        os.utime(dest)  # the cap evicts the least recently served first
+        fh = dest.open("rb")
+        size, sha = os.fstat(fh.fileno()).st_size, digest.read_text().strip()
+    if built and layout is not None:
+        enforce_export_cap(layout, cap_bytes, dest, _lock)
+    return fh, size, sha, name

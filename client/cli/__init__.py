@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from lorad import __version__
-from lorad.client.cli import _apps_data, _chat, _federate, _jobs, _misc
+from lorad.client.cli import _apps_data, _chat, _disk, _federate, _jobs, _misc
 from lorad.client.cli._context import global_options, opt
 from lorad.client.cli._output import (
     EXIT_CODES_HELP,
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _jobs.add_parsers(sub, parent)
     _misc.add_parsers(sub, parent)
     _chat.add_parsers(sub, parent)
+    _disk.add_parsers(sub, parent)
     _federate.add_parsers(sub, parent)
     return parser
 

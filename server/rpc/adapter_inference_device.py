@@ -11,12 +11,13 @@ from typing import Any
 
 from grpc import aio
 
+from lorad.server import disk
 from lorad.server import validation as v
 from lorad.server.domain import JobState, Message
 from lorad.server.downloads import CHUNK, adapter_file
 from lorad.server.errors import InvalidArgument
 from lorad.server.generation import Generator, GenRequest, check_generate, check_repetition_penalty
-from lorad.server.jobs.files import remove_tree
+from lorad.server.jobs.files import remove_tree, tree_size
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services
@@ -62,15 +63,16 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
         fmt = cv.FORMAT_NAMES.get(request.format)
         if fmt is None:
             raise InvalidArgument("format", f"{request.format} unknown; ADAPTER_FORMAT_PEFT, _GGUF or _MERGED")
-        path, size, sha, name = await asyncio.to_thread(adapter_file, rec, fmt, self.s.models)
-        if request.read_offset > size:
-            raise InvalidArgument("read_offset", f"{request.read_offset} is past the end of the file ({size} bytes)")
-        header = adapters_pb2.DownloadHeader(
-            total_size_bytes=size, sha256=sha, filename=name, format=cv.FORMAT_ENUMS[fmt]
-        )
-        yield adapters_pb2.DownloadAdapterResponse(header=header, offset=request.read_offset)
-        offset = request.read_offset
-        with path.open("rb") as f:
+        cap = self.s.cfg.storage.export_cache_max_mb * 1024 * 1024
+        f, size, sha, name = await asyncio.to_thread(adapter_file, rec, fmt, self.s.models, self.s.layout, cap)
+        with f:
+            if request.read_offset > size:
+                raise InvalidArgument("read_offset", f"{request.read_offset} is past the end of the file ({size} B)")
+            header = adapters_pb2.DownloadHeader(
+                total_size_bytes=size, sha256=sha, filename=name, format=cv.FORMAT_ENUMS[fmt]
+            )
+            yield adapters_pb2.DownloadAdapterResponse(header=header, offset=request.read_offset)
+            offset = request.read_offset
             f.seek(offset)
             while chunk := await asyncio.to_thread(f.read, CHUNK):
                 yield adapters_pb2.DownloadAdapterResponse(chunk=chunk, offset=offset)
@@ -234,6 +236,43 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
 
     async def GetDeviceStatus(self, request: device_pb2.GetDeviceStatusRequest, context: aio.ServicerContext) -> Any:
         return await asyncio.to_thread(self._status, principal().app_id)
+
+    def _app_ids(self, app_id: str | None) -> list[str]:
+        """The caller's app, or every app for the owner (revoked ones still hold files)."""
+        if app_id is not None:
+            return [app_id]
+        out, token = [], ""
+        while True:
+            page, token = self.s.apps.list_page(1000, token)
+            out += [a.app_id for a in page]
+            if not token:
+                return out
+
+    def _usage(self, app_id: str | None) -> device_pb2.GetDiskUsageResponse:
+        out = device_pb2.GetDiskUsageResponse(
+            export_cache_limit_bytes=self.s.cfg.storage.export_cache_max_mb * 1024 * 1024
+        )
+        for a in self._app_ids(app_id):
+            u = disk.app_usage(self.s.layout, a, self.s.apps.get(a).sample_bytes)
+            out.apps.append(device_pb2.AppDiskUsage(
+                app_id=u.app_id, data_bytes=u.data_bytes, checkpoint_bytes=u.checkpoint_bytes,
+                adapter_bytes=u.adapter_bytes, export_bytes=u.export_bytes,
+            ))  # fmt: skip
+        if app_id is None:
+            out.cache_bytes = tree_size(self.s.models.cache_root)
+            out.database_bytes = disk.database_bytes(self.s.db.path)
+        return out
+
+    async def GetDiskUsage(self, request: device_pb2.GetDiskUsageRequest, context: aio.ServicerContext) -> Any:
+        return await asyncio.to_thread(self._usage, principal().app_id)
+
+    async def CollectGarbage(self, request: device_pb2.CollectGarbageRequest, context: aio.ServicerContext) -> Any:
+        app_id = principal().app_id
+        owner_caches = self.s.models.cache_root if app_id is None else None
+        training = self.s.runner.current_job_id is not None
+        c = await asyncio.to_thread(disk.collect, self.s.layout, self._app_ids(app_id), owner_caches, training)
+        return device_pb2.CollectGarbageResponse(freed_bytes=c.freed_bytes, removed_files=c.removed_files,
+                                                 caches_kept_reason=c.caches_kept_reason)  # fmt: skip
 
 
 def _version() -> str:

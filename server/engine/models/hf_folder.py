@@ -82,6 +82,10 @@ class SafetensorsWeights(Mapping[str, Tensor]):
             os.close(fd)
         return torch.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
 
+    def stored_dtype(self, key: str) -> torch.dtype:
+        """The dtype ``key`` is stored in (header only)."""
+        return _DTYPES[self._index[key][1]]
+
     def parameter_count(self) -> int:
         """Elements of all stored tensors, from the headers alone (frozen weights included, nothing read)."""
         return sum(math.prod(shape) for _, _, shape, _, _ in self._index.values())

@@ -74,3 +74,42 @@ def test_merged_model_loads_in_transformers(trained: Trained, tmp_path: Path) ->
     assert (got - base).abs().max() > 1e-2
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
     assert (out / "tokenizer.json").is_file()
+
+
+def _stored(folder: Path) -> set[torch.dtype]:
+    from lorad.server.engine.models.hf_folder import read_weights
+
+    w = read_weights(folder)
+    return {w.stored_dtype(k) for k in w}
+
+
+def test_merged_export_keeps_a_16_bit_base_precision(trained: Trained, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    bf16 = tmp_path / "bf16-base"
+    shutil.copytree(trained.hf_dir, bf16)
+    for f in bf16.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    out = export_merged(bf16, trained.adapter, tmp_path / "merged")
+    assert _stored(out) == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    merged = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = merged(IDS).logits
+    assert torch.allclose(trained.lm.model.logits(IDS), ref, atol=0.1), "the adapter is in the bf16 weights"
+
+
+def test_merged_export_of_a_gguf_base_is_fp16_and_half_the_fp32_size(trained: Trained, tmp_path: Path) -> None:
+    from lorad.server.engine.models.loader import resolve
+    from tests.fixtures.tiny_hf import write_tiny_gguf
+
+    ck = resolve(write_tiny_gguf(trained.hf_dir, tmp_path / "base.gguf"), tmp_path / "cache")
+    assert _stored(ck.path) == {torch.float32}, "precondition: the converted GGUF is stored dequantized as fp32"
+    out = export_merged(ck.path, trained.adapter, tmp_path / "merged")
+    assert _stored(out) == {torch.float16}
+    fp32_size = sum(f.stat().st_size for f in ck.path.glob("*.safetensors"))
+    assert (out / "model.safetensors").stat().st_size < 0.55 * fp32_size
