@@ -26,6 +26,10 @@ class AppRegistry:
         """Revokes the app's token: its calls fail from now on."""
         self._repo.revoke(app_id)
 
+    def get(self, app_id: str) -> App:
+        """One app with its usage now (NotFound otherwise)."""
+        return self._repo.get(app_id)
+
     def is_revoked(self, app_id: str) -> bool:
         """Whether the app was revoked (streams end when their app is)."""
         return self._repo.get(app_id).revoked

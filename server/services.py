@@ -7,6 +7,7 @@ from pathlib import Path
 
 import structlog
 
+from lorad.server.adapters import AdapterLibrary
 from lorad.server.apps import AppRegistry
 from lorad.server.auth import Authenticator, ensure_owner_token
 from lorad.server.config import Config
@@ -48,6 +49,7 @@ class Services:
     profile: DeviceProfile
     registry: AppRegistry  # the domain layer servicers call (the repos above are for the daemon's own parts)
     data: AppData
+    library: AdapterLibrary
 
     @property
     def default_requirements(self) -> Requirements:
@@ -130,6 +132,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         profile,
         AppRegistry(apps),
         AppData(apps, samples),
+        AdapterLibrary(adapters, layout, models, cfg.storage.export_cache_max_mb * 1024 * 1024),
     )
 
 

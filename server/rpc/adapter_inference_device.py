@@ -14,10 +14,10 @@ from grpc import aio
 from lorad.server import disk
 from lorad.server import validation as v
 from lorad.server.domain import JobState, Message
-from lorad.server.downloads import CHUNK, adapter_file
+from lorad.server.downloads import CHUNK
 from lorad.server.errors import InvalidArgument
 from lorad.server.generation import Generator, GenRequest, check_generate, check_repetition_penalty
-from lorad.server.jobs.files import remove_tree, tree_size
+from lorad.server.jobs.files import tree_size
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services
@@ -47,24 +47,23 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
 
     async def ListAdapters(self, request: adapters_pb2.ListAdaptersRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        recs, nxt = await asyncio.to_thread(self.s.adapters.list_page, app_id, request.page_size, request.page_token)
+        recs, nxt = await asyncio.to_thread(self.s.library.list_page, app_id, request.page_size, request.page_token)
         return adapters_pb2.ListAdaptersResponse(adapters=[cv.adapter_pb(r) for r in recs], next_page_token=nxt)
 
     async def GetAdapter(self, request: adapters_pb2.GetAdapterRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        rec = await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
+        rec = await asyncio.to_thread(self.s.library.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
         return adapters_pb2.GetAdapterResponse(adapter=cv.adapter_pb(rec))
 
     async def DownloadAdapter(
         self, request: adapters_pb2.DownloadAdapterRequest, context: aio.ServicerContext
     ) -> AsyncIterator[adapters_pb2.DownloadAdapterResponse]:
         app_id = principal().require_app()
-        rec = await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
+        rec = await asyncio.to_thread(self.s.library.get, app_id, v.check_server_id("adapter_id", request.adapter_id))
         fmt = cv.FORMAT_NAMES.get(request.format)
         if fmt is None:
             raise InvalidArgument("format", f"{request.format} unknown; ADAPTER_FORMAT_PEFT, _GGUF or _MERGED")
-        cap = self.s.cfg.storage.export_cache_max_mb * 1024 * 1024
-        f, size, sha, name = await asyncio.to_thread(adapter_file, rec, fmt, self.s.models, self.s.layout, cap)
+        f, size, sha, name = await asyncio.to_thread(self.s.library.export, rec, fmt)
         with f:
             if request.read_offset > size:
                 raise InvalidArgument("read_offset", f"{request.read_offset} is past the end of the file ({size} B)")
@@ -110,8 +109,7 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
     async def DeleteAdapter(self, request: adapters_pb2.DeleteAdapterRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         aid = v.check_server_id("adapter_id", request.adapter_id)
-        rec = await asyncio.to_thread(self.s.adapters.delete, app_id, aid)
-        freed = await asyncio.to_thread(remove_tree, self.s.layout.adapter_dir(app_id, rec.adapter_id))
+        freed = await asyncio.to_thread(self.s.library.delete, app_id, aid)
         return adapters_pb2.DeleteAdapterResponse(freed_bytes=freed)
 
 
@@ -143,11 +141,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.s.models.entry(request.base_model, field="base_model")
         rec = None
         if request.adapter_id:
-            rec = await asyncio.to_thread(self.s.adapters.get, app_id, request.adapter_id)
+            rec = await asyncio.to_thread(self.s.library.get, app_id, request.adapter_id)
         if len(request.extra_adapter_ids) > 8:
             raise InvalidArgument("extra_adapter_ids", f"{len(request.extra_adapter_ids)} given; at most 8")
         extra = [
-            await asyncio.to_thread(self.s.adapters.get, app_id, v.check_server_id(f"extra_adapter_ids[{i}]", a))
+            await asyncio.to_thread(self.s.library.get, app_id, v.check_server_id(f"extra_adapter_ids[{i}]", a))
             for i, a in enumerate(request.extra_adapter_ids)
         ]
         penalty = check_repetition_penalty(request.repetition_penalty)
@@ -218,7 +216,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             unblock_hint=verdict.hint,
         )
         if app_id is not None:
-            active = self.s.jobs.list_page(
+            active = self.s.manager.list_page(
                 app_id, [JobState.RUNNING, JobState.PAUSING, JobState.QUEUED, JobState.WAITING], 1000, ""
             )[0]
             if active:
@@ -243,7 +241,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             return [app_id]
         out, token = [], ""
         while True:
-            page, token = self.s.apps.list_page(1000, token)
+            page, token = self.s.registry.list_page(1000, token)
             out += [a.app_id for a in page]
             if not token:
                 return out
@@ -253,7 +251,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             export_cache_limit_bytes=self.s.cfg.storage.export_cache_max_mb * 1024 * 1024
         )
         for a in self._app_ids(app_id):
-            u = disk.app_usage(self.s.layout, a, self.s.apps.get(a).sample_bytes)
+            u = disk.app_usage(self.s.layout, a, self.s.registry.get(a).sample_bytes)
             out.apps.append(device_pb2.AppDiskUsage(
                 app_id=u.app_id, data_bytes=u.data_bytes, checkpoint_bytes=u.checkpoint_bytes,
                 adapter_bytes=u.adapter_bytes, export_bytes=u.export_bytes,

@@ -103,7 +103,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         cursor = request.after_event_id
         while True:
             seen = self.s.hub.version
-            events, more = await asyncio.to_thread(self.s.jobs.events, job_id, cursor, WATCH_PAGE)
+            events, more = await asyncio.to_thread(self.s.manager.events, app_id, job_id, cursor, WATCH_PAGE)
             if events:
                 job_pb = cv.job_pb(await asyncio.to_thread(self.s.manager.get, app_id, job_id))
                 for e in events:
@@ -114,7 +114,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
                 continue
             job = await asyncio.to_thread(self.s.manager.get, app_id, job_id)
             if job.state.final:
-                tail, _ = await asyncio.to_thread(self.s.jobs.events, job_id, cursor, 1)
+                tail, _ = await asyncio.to_thread(self.s.manager.events, app_id, job_id, cursor, 1)
                 if not tail:
                     return
                 continue
@@ -153,9 +153,8 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def ListSchedules(self, request: jobs_pb2.ListSchedulesRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        scheds = await asyncio.to_thread(self.s.schedules.for_app, app_id)
-        if self.scheduler is not None:
-            scheds = [self.scheduler.with_next_run(x) for x in scheds]
+        assert self.scheduler is not None
+        scheds = await asyncio.to_thread(self.scheduler.list_schedules, app_id)
         return jobs_pb2.ListSchedulesResponse(schedules=[cv.schedule_pb(x) for x in scheds])
 
     async def DeleteSchedule(self, request: jobs_pb2.DeleteScheduleRequest, context: aio.ServicerContext) -> Any:

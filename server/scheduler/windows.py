@@ -102,6 +102,10 @@ class WindowScheduler:
         if self.aps.get_job(aps_id) is not None:
             self.aps.remove_job(aps_id)
 
+    def list_schedules(self, app_id: str) -> list[Schedule]:
+        """The app's schedules, each with its next firing time."""
+        return [self.with_next_run(s) for s in self.schedules.for_app(app_id)]
+
     def with_next_run(self, s: Schedule) -> Schedule:
         """The schedule with its next firing time filled in."""
         j = self.aps.get_job(f"schedule:{s.schedule_id}")
