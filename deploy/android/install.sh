@@ -8,10 +8,8 @@
 #
 # Environment (all optional):
 #   LORAD_DISTRO       proot-distro alias, "debian" (default) or "ubuntu"
-#   LORAD_SPEC         pip requirement for lorad, default "lorad[server]"; a path or wheel works too
-#   LORAD_TORCH        torch pin, default "torch==2.13.0" (the CPU wheel; pinned like pyproject.toml)
-#   LORAD_TORCH_INDEX  index for torch, default https://download.pytorch.org/whl/cpu (no CUDA downloads)
-#   LORAD_QNN_SPEC     onnxruntime-qnn requirement, default "onnxruntime-qnn" (manylinux_2_34 aarch64 wheel)
+#   LORAD_SPEC, LORAD_QNN_SPEC, LORAD_TORCH, LORAD_TORCH_INDEX
+#                      passed to the in-userland half, userland-install.sh (see its header for the defaults)
 #   LORAD_NO_SERVICE   set to 1 to skip installing the runit services and the Termux:Boot script
 #
 # `install.sh --services-only` installs only the helper scripts, config, services and boot script into an existing
@@ -19,10 +17,6 @@
 set -euo pipefail
 
 DISTRO="${LORAD_DISTRO:-debian}"
-LORAD_SPEC="${LORAD_SPEC:-lorad[server]}"
-LORAD_TORCH="${LORAD_TORCH:-torch==2.13.0}"
-LORAD_TORCH_INDEX="${LORAD_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
-LORAD_QNN_SPEC="${LORAD_QNN_SPEC:-onnxruntime-qnn}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PREFIX="${PREFIX:-/data/data/com.termux/files/usr}"
 ROOTFS="$PREFIX/var/lib/proot-distro/installed-rootfs/$DISTRO"
@@ -69,29 +63,11 @@ userland() {
         say "installing proot-distro $DISTRO (a few hundred MB)"
         proot-distro install "$DISTRO"
     fi
-    if in_distro test -x "$VENV/bin/python"; then
-        say "venv $VENV already exists"
-    else
-        say "installing python3-venv inside $DISTRO"
-        in_distro sh -c 'apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y python3 python3-venv ca-certificates'
-        in_distro python3 -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
-            || die "the $DISTRO userland has Python < 3.11; lorad needs 3.11+ (use debian bookworm+ or ubuntu 24.04+)"
-        in_distro python3 -m venv "$VENV"
-    fi
-}
-
-python_packages() {
-    say "installing $LORAD_TORCH (CPU wheel) and $LORAD_SPEC"
-    in_distro "$VENV/bin/pip" install --upgrade pip
-    in_distro "$VENV/bin/pip" install "$LORAD_TORCH" --index-url "$LORAD_TORCH_INDEX"
-    in_distro "$VENV/bin/pip" install "$LORAD_TORCH" "$LORAD_SPEC" "$LORAD_QNN_SPEC"
-    # The wheel carries one HTP skel per Hexagon generation; list what this install can drive.
-    in_distro "$VENV/bin/python" - << 'EOF'
-import pathlib, onnxruntime_qnn as oq
-libdir = pathlib.Path(oq.get_qnn_htp_path()).parent
-skels = sorted(p.name for p in libdir.glob("libQnnHtpV*Skel.so"))
-print("[lorad-install] HTP skels in the onnxruntime-qnn wheel:", ", ".join(skels) or "NONE")
-EOF
+    # The steps inside the userland live in one script that deploy/arm64/test-userland.sh runs too.
+    install -d "$ROOTFS/opt/lorad/bin"
+    install -m 0755 "$HERE/userland-install.sh" "$ROOTFS/opt/lorad/bin/lorad-userland-install"
+    in_distro LORAD_SPEC="${LORAD_SPEC:-}" LORAD_QNN_SPEC="${LORAD_QNN_SPEC:-}" LORAD_TORCH="${LORAD_TORCH:-}" \
+        LORAD_TORCH_INDEX="${LORAD_TORCH_INDEX:-}" /opt/lorad/bin/lorad-userland-install
 }
 
 helpers() {
@@ -156,7 +132,6 @@ main() {
     check_host
     termux_packages
     userland
-    python_packages
     helpers
     if [ "${LORAD_NO_SERVICE:-0}" != "1" ]; then
         services
