@@ -13,7 +13,7 @@ LOCK := requirements/lock.txt
 LOCK_FLAGS := --extra server --extra dev --extra federated --python-version 3.11 --python-platform x86_64-manylinux_2_35 \
 	--find-links /opt/wheels --no-header --annotation-style line
 
-.PHONY: setup lock lock-check demo test test-slow test-all proto proto-check lint fmt typecheck bench reliability clean
+.PHONY: setup lock lock-check demo test test-slow test-all test-arm64 proto proto-check lint fmt typecheck bench reliability clean
 
 # Idempotent setup: creates .venv, installs the pinned set from the lockfile (daemon, dev tools, Flower), lorad itself
 # without resolving again, and the default model package. Re-runs only when the lock, pyproject.toml or setup.py
@@ -58,6 +58,11 @@ test-all: $(STAMP)
 reliability: $(STAMP)
 	@$(PY) -m pytest tests/reliability -m reliability $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make reliability: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# lorad in the phone's userland: an arm64 Debian root under qemu-user (needs root and apt; cached in
+# LORAD_ARM64_CACHE, default /var/cache/lorad-arm64). Ends with a `test-arm64: N passed, M failed` line.
+test-arm64: $(STAMP)
+	@bash deploy/arm64/test-userland.sh
 
 # Regenerates the checked-in Python code and mypy stubs from proto/ with plain grpc_tools.protoc.
 proto: $(STAMP)

@@ -34,6 +34,7 @@ def test_every_expected_script_is_found() -> None:
         "android/install.sh", "android/lorad-inproot.sh", "android/lorad-wakelock.sh", "android/boot/start-lorad",
         "android/service/lorad/run", "android/service/lorad/log/run", "android/service/lorad/control/t",
         "android/service/lorad-wakelock/run", "android/service/lorad-wakelock/log/run",
+        "android/userland-install.sh", "arm64/test-userland.sh", "arm64/e2e-inroot.sh",
     }  # fmt: skip
     assert expected <= names, expected - names
     for p in shell_scripts():

@@ -1,0 +1,233 @@
+#!/usr/bin/env bash
+# End-to-end test of lorad in the phone's userland: an arm64 Debian root run under qemu-user on an x86_64 host.
+#
+# It builds (or reuses) a cached arm64 Debian root, runs the same in-userland install script the Android installer
+# runs (deploy/android/userland-install.sh) and the installer's --services-only step, then inside the root starts
+# the daemon through the phone's own launcher (lorad-inproot), checks health and the backend decision, trains a tiny
+# model to SUCCEEDED, pulls and verifies the adapter, generates, and checks ORT's ARM64 bf16 fast-math option.
+# Ends with one line: `test-arm64: N passed, M failed`. Needs root (chroot, mounts) and Debian's apt.
+#
+# Environment (all optional):
+#   LORAD_ARM64_CACHE   cache for the root, pip downloads and the tiny model, default /var/cache/lorad-arm64
+#   LORAD_ARM64_SUITE   Debian suite of the root, default trixie (what proot-distro's debian installs)
+#   LORAD_ARM64_MIRROR  Debian mirror, default http://deb.debian.org/debian
+#   LORAD_ARM64_HOST_CA CA bundle pip uses inside the root, default the host's /etc/ssl/certs/ca-certificates.crt
+#   LORAD_HOST_PYTHON   host Python with lorad's dev extra (builds the wheel and the tiny model), default .venv
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+CACHE="${LORAD_ARM64_CACHE:-/var/cache/lorad-arm64}"
+SUITE="${LORAD_ARM64_SUITE:-trixie}"
+MIRROR="${LORAD_ARM64_MIRROR:-http://deb.debian.org/debian}"
+HOST_PY="${LORAD_HOST_PYTHON:-$REPO/.venv/bin/python}"
+ROOT="$CACHE/root-$SUITE"
+DIST="$CACHE/dist"
+HOST_CA="${LORAD_ARM64_HOST_CA:-/etc/ssl/certs/ca-certificates.crt}"
+PATH_IN_ROOT=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+say() { printf '[test-arm64] %s\n' "$*"; }
+die() {
+    printf '[test-arm64] ERROR: %s\n' "$*" >&2
+    exit 1
+}
+
+# Runs "$@" as root inside the arm64 root, in its own mount and pid namespace: every process it starts (the daemon
+# too) dies with it, and no mount outlives it. The pip cache and the lorad wheel are bind-mounted from the cache.
+in_root() {
+    unshare --mount --pid --fork --kill-child=SIGKILL -- "$0" --enter "$@"
+}
+
+enter() {
+    mount --make-rprivate /
+    mount -t proc proc "$ROOT/proc"
+    mount --rbind /dev "$ROOT/dev"
+    mkdir -p "$CACHE/pip" "$ROOT/root/.cache/pip" "$ROOT/tmp/lorad-dist"
+    mount --bind "$CACHE/pip" "$ROOT/root/.cache/pip"
+    mount --bind "$DIST" "$ROOT/tmp/lorad-dist"
+    cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+    # The host may reach PyPI through a TLS-inspecting proxy whose CA only the host trusts: hand pip its bundle.
+    cp "$HOST_CA" "$ROOT/etc/lorad-host-ca.crt"
+    exec chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb PATH="$PATH_IN_ROOT" \
+        PIP_CERT=/etc/lorad-host-ca.crt SSL_CERT_FILE=/etc/lorad-host-ca.crt "$@"
+}
+
+# --- stages (each runs as `test-userland.sh --stage NAME` under its own timeout) ---
+
+stage_host() {
+    [ "$(id -u)" = 0 ] || die "needs root (chroot and mounts)"
+    [ "$(uname -m)" = x86_64 ] || say "host is $(uname -m), not x86_64: continuing"
+    local need=()
+    command -v qemu-aarch64-static > /dev/null || need+=(qemu-user-static)
+    command -v update-binfmts > /dev/null || need+=(binfmt-support)
+    command -v mmdebstrap > /dev/null || need+=(mmdebstrap)
+    if [ "${#need[@]}" -gt 0 ]; then
+        say "installing ${need[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+    fi
+    # qemu-user-static registers with the F flag (interpreter opened at registration), so a chroot needs no copy
+    # of qemu inside it. Containers often start without binfmt_misc mounted: mount it, then (re-)enable the entry.
+    if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then
+        mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc \
+            || die "cannot mount binfmt_misc (tried: mount -t binfmt_misc); this kernel/container blocks it"
+    fi
+    if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
+        update-binfmts --enable qemu-aarch64 || die "update-binfmts --enable qemu-aarch64 failed"
+    fi
+    grep -q '^flags: .*F' /proc/sys/fs/binfmt_misc/qemu-aarch64 \
+        || die "qemu-aarch64 binfmt entry lacks the F flag; a chroot would need qemu copied into it"
+    say "binfmt: $(tr '\n' ' ' < /proc/sys/fs/binfmt_misc/qemu-aarch64)"
+}
+
+stage_root() {
+    if [ -f "$ROOT/.lorad-root-ok" ]; then
+        say "reusing $ROOT"
+        return 0
+    fi
+    rm -rf "$ROOT.tmp"
+    say "building an arm64 Debian $SUITE root (minbase, like proot-distro's) in $ROOT"
+    nice -n 10 mmdebstrap --arch=arm64 --variant=minbase "$SUITE" "$ROOT.tmp" "$MIRROR"
+    rm -rf "$ROOT"
+    mv "$ROOT.tmp" "$ROOT"
+    touch "$ROOT/.lorad-root-ok"
+}
+
+stage_wheel() {
+    [ -x "$HOST_PY" ] || die "no host Python at $HOST_PY (run make setup, or set LORAD_HOST_PYTHON)"
+    rm -rf "$DIST"
+    mkdir -p "$DIST"
+    # lorad itself comes from this checkout (it is not on the registry); every dependency comes from PyPI.
+    (cd "$REPO" && "$HOST_PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$DIST" .)
+    ls "$DIST"/lorad-*.whl > /dev/null
+}
+
+stage_install() {
+    # A lorad wheel of the same version would count as installed: drop the old one so this checkout's is tested.
+    if [ -x "$ROOT/opt/lorad/venv/bin/pip" ]; then
+        in_root /opt/lorad/venv/bin/pip uninstall --yes --quiet lorad || true
+    fi
+    install -d "$ROOT/opt/lorad/bin"
+    install -m 0755 "$REPO/deploy/android/userland-install.sh" "$ROOT/opt/lorad/bin/lorad-userland-install"
+    local whl
+    whl="$(basename "$(ls "$DIST"/lorad-*.whl)")"
+    nice -n 10 "$0" --in-root LORAD_SPEC="/tmp/lorad-dist/${whl}[server]" /opt/lorad/bin/lorad-userland-install
+}
+
+stage_services() {
+    # install.sh --services-only writes into $PREFIX/var/lib/proot-distro/installed-rootfs/<distro>: point that at
+    # the root, so its helper scripts and config land where lorad-inproot looks for them.
+    local prefix="$CACHE/termux/usr" home="$CACHE/termux/home"
+    mkdir -p "$prefix/var/lib/proot-distro/installed-rootfs" "$home"
+    ln -sfn "$ROOT" "$prefix/var/lib/proot-distro/installed-rootfs/debian"
+    PREFIX="$prefix" HOME="$home" LORAD_DISTRO=debian bash "$REPO/deploy/android/install.sh" --services-only
+}
+
+stage_model() {
+    local model="$CACHE/tiny-llama"
+    if [ ! -f "$model/.ok" ]; then
+        rm -rf "$model" "$CACHE/tiny-build"
+        mkdir -p "$CACHE/tiny-build"
+        # A 2-layer random Llama (hidden 64, vocab 320) from the tests' own builder; the files are arch-independent.
+        (cd "$REPO/tests/unit/models" && "$HOST_PY" -c \
+            "import sys; from pathlib import Path; from tiny_models import save_tiny_hf; \
+             print(save_tiny_hf(Path(sys.argv[1]), 'llama'))" "$CACHE/tiny-build")
+        mv "$CACHE/tiny-build/llama" "$model"
+        touch "$model/.ok"
+    fi
+    rm -rf "$ROOT/root/tiny-llama"
+    cp -r "$model" "$ROOT/root/tiny-llama"
+}
+
+stage_e2e() {
+    install -m 0755 "$HERE/e2e-inroot.sh" "$ROOT/opt/lorad/bin/lorad-e2e"
+    nice -n 10 "$0" --in-root /opt/lorad/bin/lorad-e2e
+}
+
+stage_bf16() {
+    install -m 0644 "$HERE/ort_bf16_check.py" "$ROOT/tmp/ort_bf16_check.py"
+    nice -n 10 "$0" --in-root /opt/lorad/venv/bin/python /tmp/ort_bf16_check.py
+}
+
+stage_wheels_report() {
+    # Every installed distribution with its wheel tag; the platform wheels are the aarch64 ones.
+    "$0" --in-root /opt/lorad/venv/bin/python -c '
+import importlib.metadata as md
+for d in sorted(md.distributions(), key=lambda d: d.metadata["Name"].lower()):
+    tags = [line.split(":", 1)[1].strip() for line in (d.read_text("WHEEL") or "").splitlines() if line.startswith("Tag:")]
+    print(f"{d.metadata[\"Name\"]}=={d.version}  {tags[0] if tags else \"?\"}")
+'
+}
+
+# --- driver ---
+
+# One row per stage: name, time limit (seconds), and whether a failure stops the run.
+STAGES=(
+    "host 600 stop"
+    "root 1200 stop"
+    "wheel 300 stop"
+    "install 1500 stop"
+    "services 60 stop"
+    "model 300 stop"
+    "e2e 900 go"
+    "bf16 300 go"
+    "wheels_report 120 go"
+)
+
+main() {
+    local passed=0 failed=0 times=() log
+    log="$(mktemp)"
+    trap 'rm -f "$log"' EXIT
+    local run_start
+    run_start=$(date +%s)
+    for row in "${STAGES[@]}"; do
+        read -r name limit policy <<< "$row"
+        say "stage $name (limit ${limit}s)"
+        local t0 rc
+        t0=$(date +%s)
+        set +e
+        timeout --kill-after=15 "$limit" "$0" --stage "$name" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+        set -e
+        times+=("$name=$(($(date +%s) - t0))s")
+        # Stages that check behaviour print PASS/FAIL lines; every other stage counts as one check itself.
+        local p f
+        p=$(grep -c '^PASS ' "$log" || true)
+        f=$(grep -c '^FAIL ' "$log" || true)
+        if [ "$p" -eq 0 ] && [ "$f" -eq 0 ]; then
+            if [ "$rc" -eq 0 ]; then p=1; else f=1; fi
+        elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+            f=1
+        fi
+        [ "$rc" -eq 124 ] && say "stage $name timed out after ${limit}s"
+        passed=$((passed + p))
+        failed=$((failed + f))
+        if [ "$rc" -ne 0 ] && [ "$policy" = stop ]; then
+            say "stage $name failed (exit $rc); stopping"
+            break
+        fi
+    done
+    say "stage wall times: ${times[*]} total=$(($(date +%s) - run_start))s"
+    echo "test-arm64: $passed passed, $failed failed"
+    [ "$failed" -eq 0 ]
+}
+
+case "${1:-}" in
+    --stage)
+        "stage_$2"
+        ;;
+    --in-root)
+        shift
+        in_root "$@"
+        ;;
+    --enter)
+        shift
+        enter "$@"
+        ;;
+    "")
+        main
+        ;;
+    *)
+        die "usage: $0 (no arguments)"
+        ;;
+esac
