@@ -52,6 +52,10 @@ def test_base_install_is_the_sdk_only(wheel: Path) -> None:
     server = [r for r in requires if 'extra == "server"' in r]
     assert sorted(re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0] for r in base) == ["grpcio", "protobuf"], base
     assert any(r.startswith("torch==2.13.0") for r in server), server
+    # Every torch requirement is an exact pin; aarch64 has its own (PyPI's aarch64 torch 2.13.0 is a CUDA build).
+    torch = [r for r in server if r.startswith("torch")]
+    assert all(r.startswith("torch==") for r in torch), torch
+    assert any(r.startswith("torch==2.10.0") and 'platform_machine == "aarch64"' in r for r in torch), torch
     for needed in ("onnxruntime-qnn", "apscheduler", "structlog", "numpy"):
         assert any(r.startswith(needed) for r in server), needed
 
