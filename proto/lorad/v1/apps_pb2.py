@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13lorad/v1/apps.proto\x12\x08lorad.v1\"h\n\x08\x41ppQuota\x12\x13\n\x0bmax_samples\x18\x01 \x01(\x04\x12\x18\n\x10max_sample_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cmax_adapters\x18\x03 \x01(\r\x12\x17\n\x0fmax_active_jobs\x18\x04 \x01(\r\"\x91\x01\n\x03\x41pp\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x03 \x01(\x03\x12!\n\x05quota\x18\x04 \x01(\x0b\x32\x12.lorad.v1.AppQuota\x12\x14\n\x0csample_count\x18\x05 \x01(\x04\x12\x14\n\x0csample_bytes\x18\x06 \x01(\x04\"]\n\x12RegisterAppRequest\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12!\n\x05quota\x18\x03 \x01(\x0b\x32\x12.lorad.v1.AppQuota\"@\n\x13RegisterAppResponse\x12\x1a\n\x03\x61pp\x18\x01 \x01(\x0b\x32\r.lorad.v1.App\x12\r\n\x05token\x18\x02 \x01(\t\"8\n\x0fListAppsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"H\n\x10ListAppsResponse\x12\x1b\n\x04\x61pps\x18\x01 \x03(\x0b\x32\r.lorad.v1.App\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10RevokeAppRequest\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\"\x13\n\x11RevokeAppResponse2\xe1\x01\n\nAppService\x12J\n\x0bRegisterApp\x12\x1c.lorad.v1.RegisterAppRequest\x1a\x1d.lorad.v1.RegisterAppResponse\x12\x41\n\x08ListApps\x12\x19.lorad.v1.ListAppsRequest\x1a\x1a.lorad.v1.ListAppsResponse\x12\x44\n\tRevokeApp\x12\x1a.lorad.v1.RevokeAppRequest\x1a\x1b.lorad.v1.RevokeAppResponseB7\n\x0c\x64\x65v.lorad.v1P\x01Z%lorad.dev/api/gen/go/lorad/v1;loradv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13lorad/v1/apps.proto\x12\x08lorad.v1\"h\n\x08\x41ppQuota\x12\x13\n\x0bmax_samples\x18\x01 \x01(\x04\x12\x18\n\x10max_sample_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cmax_adapters\x18\x03 \x01(\r\x12\x17\n\x0fmax_active_jobs\x18\x04 \x01(\r\"\xa2\x01\n\x03\x41pp\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x03 \x01(\x03\x12!\n\x05quota\x18\x04 \x01(\x0b\x32\x12.lorad.v1.AppQuota\x12\x14\n\x0csample_count\x18\x05 \x01(\x04\x12\x14\n\x0csample_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07revoked\x18\x07 \x01(\x08\"]\n\x12RegisterAppRequest\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12!\n\x05quota\x18\x03 \x01(\x0b\x32\x12.lorad.v1.AppQuota\"@\n\x13RegisterAppResponse\x12\x1a\n\x03\x61pp\x18\x01 \x01(\x0b\x32\r.lorad.v1.App\x12\r\n\x05token\x18\x02 \x01(\t\"8\n\x0fListAppsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"H\n\x10ListAppsResponse\x12\x1b\n\x04\x61pps\x18\x01 \x03(\x0b\x32\r.lorad.v1.App\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10RevokeAppRequest\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\"\x13\n\x11RevokeAppResponse\"\'\n\x15RotateAppTokenRequest\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\"\'\n\x16RotateAppTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t2\xb6\x02\n\nAppService\x12J\n\x0bRegisterApp\x12\x1c.lorad.v1.RegisterAppRequest\x1a\x1d.lorad.v1.RegisterAppResponse\x12\x41\n\x08ListApps\x12\x19.lorad.v1.ListAppsRequest\x1a\x1a.lorad.v1.ListAppsResponse\x12\x44\n\tRevokeApp\x12\x1a.lorad.v1.RevokeAppRequest\x1a\x1b.lorad.v1.RevokeAppResponse\x12S\n\x0eRotateAppToken\x12\x1f.lorad.v1.RotateAppTokenRequest\x1a .lorad.v1.RotateAppTokenResponseB7\n\x0c\x64\x65v.lorad.v1P\x01Z%lorad.dev/api/gen/go/lorad/v1;loradv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APPQUOTA']._serialized_start=33
   _globals['_APPQUOTA']._serialized_end=137
   _globals['_APP']._serialized_start=140
-  _globals['_APP']._serialized_end=285
-  _globals['_REGISTERAPPREQUEST']._serialized_start=287
-  _globals['_REGISTERAPPREQUEST']._serialized_end=380
-  _globals['_REGISTERAPPRESPONSE']._serialized_start=382
-  _globals['_REGISTERAPPRESPONSE']._serialized_end=446
-  _globals['_LISTAPPSREQUEST']._serialized_start=448
-  _globals['_LISTAPPSREQUEST']._serialized_end=504
-  _globals['_LISTAPPSRESPONSE']._serialized_start=506
-  _globals['_LISTAPPSRESPONSE']._serialized_end=578
-  _globals['_REVOKEAPPREQUEST']._serialized_start=580
-  _globals['_REVOKEAPPREQUEST']._serialized_end=614
-  _globals['_REVOKEAPPRESPONSE']._serialized_start=616
-  _globals['_REVOKEAPPRESPONSE']._serialized_end=635
-  _globals['_APPSERVICE']._serialized_start=638
-  _globals['_APPSERVICE']._serialized_end=863
+  _globals['_APP']._serialized_end=302
+  _globals['_REGISTERAPPREQUEST']._serialized_start=304
+  _globals['_REGISTERAPPREQUEST']._serialized_end=397
+  _globals['_REGISTERAPPRESPONSE']._serialized_start=399
+  _globals['_REGISTERAPPRESPONSE']._serialized_end=463
+  _globals['_LISTAPPSREQUEST']._serialized_start=465
+  _globals['_LISTAPPSREQUEST']._serialized_end=521
+  _globals['_LISTAPPSRESPONSE']._serialized_start=523
+  _globals['_LISTAPPSRESPONSE']._serialized_end=595
+  _globals['_REVOKEAPPREQUEST']._serialized_start=597
+  _globals['_REVOKEAPPREQUEST']._serialized_end=631
+  _globals['_REVOKEAPPRESPONSE']._serialized_start=633
+  _globals['_REVOKEAPPRESPONSE']._serialized_end=652
+  _globals['_ROTATEAPPTOKENREQUEST']._serialized_start=654
+  _globals['_ROTATEAPPTOKENREQUEST']._serialized_end=693
+  _globals['_ROTATEAPPTOKENRESPONSE']._serialized_start=695
+  _globals['_ROTATEAPPTOKENRESPONSE']._serialized_end=734
+  _globals['_APPSERVICE']._serialized_start=737
+  _globals['_APPSERVICE']._serialized_end=1047
 # @@protoc_insertion_point(module_scope)

@@ -68,6 +68,7 @@ class App(_message.Message):
     QUOTA_FIELD_NUMBER: _builtins.int
     SAMPLE_COUNT_FIELD_NUMBER: _builtins.int
     SAMPLE_BYTES_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
     app_id: _builtins.str
     """Owner-chosen id, e.g. "notes"; `[a-z0-9][a-z0-9._-]{0,63}`."""
     display_name: _builtins.str
@@ -78,6 +79,8 @@ class App(_message.Message):
     """Stored samples now."""
     sample_bytes: _builtins.int
     """Stored sample bytes now."""
+    revoked: _builtins.bool
+    """True once RevokeApp ran: its token no longer works. ForgetApp, then RegisterApp reuses the id."""
     @_builtins.property
     def quota(self) -> Global___AppQuota:
         """Limits in force (defaults filled in)."""
@@ -91,10 +94,11 @@ class App(_message.Message):
         quota: Global___AppQuota | None = ...,
         sample_count: _builtins.int = ...,
         sample_bytes: _builtins.int = ...,
+        revoked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quota", b"quota"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "created_at_ms", b"created_at_ms", "display_name", b"display_name", "quota", b"quota", "sample_bytes", b"sample_bytes", "sample_count", b"sample_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id", "created_at_ms", b"created_at_ms", "display_name", b"display_name", "quota", b"quota", "revoked", b"revoked", "sample_bytes", b"sample_bytes", "sample_count", b"sample_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,3 +244,43 @@ class RevokeAppResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeAppResponse: _TypeAlias = RevokeAppResponse  # noqa: Y015
+
+@_typing.final
+class RotateAppTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APP_ID_FIELD_NUMBER: _builtins.int
+    app_id: _builtins.str
+    """The app whose token is replaced."""
+    def __init__(
+        self,
+        *,
+        app_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["app_id", b"app_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateAppTokenRequest: _TypeAlias = RotateAppTokenRequest  # noqa: Y015
+
+@_typing.final
+class RotateAppTokenResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The new bearer token (shown once; only a hash is stored)."""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateAppTokenResponse: _TypeAlias = RotateAppTokenResponse  # noqa: Y015

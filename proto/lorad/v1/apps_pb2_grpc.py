@@ -50,6 +50,11 @@ class AppServiceStub:
                 request_serializer=lorad_dot_v1_dot_apps__pb2.RevokeAppRequest.SerializeToString,
                 response_deserializer=lorad_dot_v1_dot_apps__pb2.RevokeAppResponse.FromString,
                 _registered_method=True)
+        self.RotateAppToken = channel.unary_unary(
+                '/lorad.v1.AppService/RotateAppToken',
+                request_serializer=lorad_dot_v1_dot_apps__pb2.RotateAppTokenRequest.SerializeToString,
+                response_deserializer=lorad_dot_v1_dot_apps__pb2.RotateAppTokenResponse.FromString,
+                _registered_method=True)
 
 
 class AppServiceServicer:
@@ -77,6 +82,13 @@ class AppServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RotateAppToken(self, request, context):
+        """Issues a new token for an app; the old one stops working at once. FAILED_PRECONDITION for a revoked app.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AppServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_AppServiceServicer_to_server(servicer, server):
                     servicer.RevokeApp,
                     request_deserializer=lorad_dot_v1_dot_apps__pb2.RevokeAppRequest.FromString,
                     response_serializer=lorad_dot_v1_dot_apps__pb2.RevokeAppResponse.SerializeToString,
+            ),
+            'RotateAppToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateAppToken,
+                    request_deserializer=lorad_dot_v1_dot_apps__pb2.RotateAppTokenRequest.FromString,
+                    response_serializer=lorad_dot_v1_dot_apps__pb2.RotateAppTokenResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class AppService:
             '/lorad.v1.AppService/RevokeApp',
             lorad_dot_v1_dot_apps__pb2.RevokeAppRequest.SerializeToString,
             lorad_dot_v1_dot_apps__pb2.RevokeAppResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateAppToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorad.v1.AppService/RotateAppToken',
+            lorad_dot_v1_dot_apps__pb2.RotateAppTokenRequest.SerializeToString,
+            lorad_dot_v1_dot_apps__pb2.RotateAppTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

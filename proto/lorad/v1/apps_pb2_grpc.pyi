@@ -43,6 +43,8 @@ class AppServiceStub:
     """Lists the registered apps."""
     RevokeApp: _grpc.UnaryUnaryMultiCallable[_apps_pb2.RevokeAppRequest, _apps_pb2.RevokeAppResponse]
     """Revokes the app's token at once. Its data stays until DataService.ForgetApp."""
+    RotateAppToken: _grpc.UnaryUnaryMultiCallable[_apps_pb2.RotateAppTokenRequest, _apps_pb2.RotateAppTokenResponse]
+    """Issues a new token for an app; the old one stops working at once. FAILED_PRECONDITION for a revoked app."""
 
 @_typing.type_check_only
 class AppServiceAsyncStub(AppServiceStub):
@@ -55,6 +57,8 @@ class AppServiceAsyncStub(AppServiceStub):
     """Lists the registered apps."""
     RevokeApp: _aio.UnaryUnaryMultiCallable[_apps_pb2.RevokeAppRequest, _apps_pb2.RevokeAppResponse]  # type: ignore[assignment]
     """Revokes the app's token at once. Its data stays until DataService.ForgetApp."""
+    RotateAppToken: _aio.UnaryUnaryMultiCallable[_apps_pb2.RotateAppTokenRequest, _apps_pb2.RotateAppTokenResponse]  # type: ignore[assignment]
+    """Issues a new token for an app; the old one stops working at once. FAILED_PRECONDITION for a revoked app."""
 
 class AppServiceServicer(metaclass=_abc_1.ABCMeta):
     """Registers apps and issues, lists and revokes their credentials."""
@@ -82,5 +86,13 @@ class AppServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_apps_pb2.RevokeAppResponse, _abc.Awaitable[_apps_pb2.RevokeAppResponse]]:
         """Revokes the app's token at once. Its data stays until DataService.ForgetApp."""
+
+    @_abc_1.abstractmethod
+    def RotateAppToken(
+        self,
+        request: _apps_pb2.RotateAppTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_apps_pb2.RotateAppTokenResponse, _abc.Awaitable[_apps_pb2.RotateAppTokenResponse]]:
+        """Issues a new token for an app; the old one stops working at once. FAILED_PRECONDITION for a revoked app."""
 
 def add_AppServiceServicer_to_server(servicer: AppServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

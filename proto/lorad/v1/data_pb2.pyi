@@ -326,16 +326,20 @@ class DeleteDatasetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DATASET_ID_FIELD_NUMBER: _builtins.int
+    CANCEL_DEPENDENTS_FIELD_NUMBER: _builtins.int
     dataset_id: _builtins.str
     """The dataset to delete."""
+    cancel_dependents: _builtins.bool
+    """Also cancel the unfinished jobs and delete the schedules that read it (otherwise they make it FAILED_PRECONDITION)."""
     def __init__(
         self,
         *,
         dataset_id: _builtins.str = ...,
+        cancel_dependents: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset_id", b"dataset_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_dependents", b"cancel_dependents", "dataset_id", b"dataset_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -115,7 +115,8 @@ class DataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteDataset(self, request, context):
-        """Deletes a dataset and its samples. Adapters already trained on it stay.
+        """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
+        FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,9 @@ class DataServiceStub:
     ListSamples: _grpc.UnaryUnaryMultiCallable[_data_pb2.ListSamplesRequest, _data_pb2.ListSamplesResponse]
     """Lists the samples of one dataset, oldest first."""
     DeleteDataset: _grpc.UnaryUnaryMultiCallable[_data_pb2.DeleteDatasetRequest, _data_pb2.DeleteDatasetResponse]
-    """Deletes a dataset and its samples. Adapters already trained on it stay."""
+    """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
+    FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+    """
     ForgetApp: _grpc.UnaryUnaryMultiCallable[_data_pb2.ForgetAppRequest, _data_pb2.ForgetAppResponse]
     """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk."""
 
@@ -74,7 +76,9 @@ class DataServiceAsyncStub(DataServiceStub):
     ListSamples: _aio.UnaryUnaryMultiCallable[_data_pb2.ListSamplesRequest, _data_pb2.ListSamplesResponse]  # type: ignore[assignment]
     """Lists the samples of one dataset, oldest first."""
     DeleteDataset: _aio.UnaryUnaryMultiCallable[_data_pb2.DeleteDatasetRequest, _data_pb2.DeleteDatasetResponse]  # type: ignore[assignment]
-    """Deletes a dataset and its samples. Adapters already trained on it stay."""
+    """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
+    FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+    """
     ForgetApp: _aio.UnaryUnaryMultiCallable[_data_pb2.ForgetAppRequest, _data_pb2.ForgetAppResponse]  # type: ignore[assignment]
     """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk."""
 
@@ -132,7 +136,9 @@ class DataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _data_pb2.DeleteDatasetRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_data_pb2.DeleteDatasetResponse, _abc.Awaitable[_data_pb2.DeleteDatasetResponse]]:
-        """Deletes a dataset and its samples. Adapters already trained on it stay."""
+        """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
+        FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+        """
 
     @_abc_1.abstractmethod
     def ForgetApp(
