@@ -159,7 +159,7 @@ def quota(m: apps_pb2.AppQuota) -> t.AppQuota:
 
 def app(m: apps_pb2.App) -> t.App:
     """Converts an app."""
-    return t.App(m.app_id, m.display_name, m.created_at_ms, quota(m.quota), m.sample_count, m.sample_bytes)
+    return t.App(m.app_id, m.display_name, m.created_at_ms, quota(m.quota), m.sample_count, m.sample_bytes, m.revoked)
 
 
 def dataset(m: data_pb2.Dataset) -> t.Dataset:

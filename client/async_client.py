@@ -197,6 +197,11 @@ class AsyncClient:
         """Revokes an app's token at once (owner only); its data stays until forget_app."""
         await self._unary("RevokeApp", self._apps.RevokeApp, apps_pb2.RevokeAppRequest(app_id=app_id))
 
+    async def rotate_app_token(self, app_id: str) -> str:
+        """Issues a new token for an app (owner only) and returns it; the old token stops working at once."""
+        req = apps_pb2.RotateAppTokenRequest(app_id=app_id)
+        return str((await self._unary("RotateAppToken", self._apps.RotateAppToken, req)).token)
+
     # --- data ------------------------------------------------------------------------------------------------------
 
     async def append_samples(
@@ -242,9 +247,12 @@ class AsyncClient:
         )
         return [conv.stored_sample(s) for s in pb]
 
-    async def delete_dataset(self, dataset_id: str) -> int:
-        """Deletes a dataset; returns the number of samples deleted."""
-        req = data_pb2.DeleteDatasetRequest(dataset_id=dataset_id)
+    async def delete_dataset(self, dataset_id: str, cancel_dependents: bool = False) -> int:
+        """Deletes a dataset; returns the number of samples deleted.
+
+        Unfinished jobs or schedules reading it make this FailedPrecondition unless ``cancel_dependents``.
+        """
+        req = data_pb2.DeleteDatasetRequest(dataset_id=dataset_id, cancel_dependents=cancel_dependents)
         return int((await self._unary("DeleteDataset", self._data.DeleteDataset, req)).deleted_samples)
 
     async def forget_app(self, app_id: str = "") -> t.ForgetResult:

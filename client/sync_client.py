@@ -141,6 +141,10 @@ class Client:
         """Revokes an app's token (owner only)."""
         self._loop.run(self._aio.revoke_app(app_id))
 
+    def rotate_app_token(self, app_id: str) -> str:
+        """Issues a new token for an app (owner only); the old one stops working at once."""
+        return str(self._loop.run(self._aio.rotate_app_token(app_id)))
+
     # data
     def append_samples(self, dataset_id: str, samples: Iterable[t.Sample | str | dict[str, Any]]) -> t.AppendResult:
         """Appends samples in atomic batches; see AsyncClient.append_samples."""
@@ -158,9 +162,9 @@ class Client:
         """Lists a dataset's samples."""
         return self._loop.run(self._aio.list_samples(dataset_id))
 
-    def delete_dataset(self, dataset_id: str) -> int:
-        """Deletes a dataset; returns the samples deleted."""
-        return self._loop.run(self._aio.delete_dataset(dataset_id))
+    def delete_dataset(self, dataset_id: str, cancel_dependents: bool = False) -> int:
+        """Deletes a dataset; returns the samples deleted (see the async client for ``cancel_dependents``)."""
+        return self._loop.run(self._aio.delete_dataset(dataset_id, cancel_dependents))
 
     def forget_app(self, app_id: str = "") -> t.ForgetResult:
         """Deletes all of an app's data, jobs and adapters."""

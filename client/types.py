@@ -186,6 +186,7 @@ class App:
     quota: AppQuota
     sample_count: int
     sample_bytes: int
+    revoked: bool = False
 
 
 @dataclass(frozen=True)

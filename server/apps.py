@@ -30,6 +30,12 @@ class AppRegistry:
         """One app with its usage now (NotFound otherwise)."""
         return self._repo.get(app_id)
 
+    def rotate(self, app_id: str) -> str:
+        """Replaces the app's token and returns the new one; the old one fails from now on."""
+        token = new_token()
+        self._repo.rotate(app_id, hash_token(token))
+        return token
+
     def is_revoked(self, app_id: str) -> bool:
         """Whether the app was revoked (streams end when their app is)."""
         return self._repo.get(app_id).revoked

@@ -28,6 +28,7 @@ from lorad.server.rpc.interceptor import AuthInterceptor
 from lorad.server.rpc.job_service import JobServicer
 from lorad.server.scheduler import WindowScheduler
 from lorad.server.services import Services, build_services
+from lorad.server.singleton import DataDirLock, StartRefusedError, private_dir
 from lorad.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -69,6 +70,7 @@ class Daemon:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.tcp_port: int | None = None
         self.serving = False
+        self.lock = DataDirLock(cfg.data_dir)
 
     @property
     def socket_path(self) -> Path:
@@ -76,8 +78,24 @@ class Daemon:
         return self.cfg.socket_path
 
     async def start(self) -> None:
-        """Opens the store, recovers jobs, starts the runner, monitor, scheduler and the gRPC server."""
+        """Locks the data dir, opens the store, finishes interrupted deletions, recovers jobs, starts serving.
+
+        Raises:
+            StartRefusedError: another daemon serves the data dir, or a directory is not private.
+        """
+        private_dir(self.cfg.data_dir, "data directory")
+        self.lock.acquire()  # before anything else: a second daemon must not touch the store or the socket
+        try:
+            await self._start()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    async def _start(self) -> None:
+        from lorad.server.forget import resume_pending
+
         s = self.services = await asyncio.to_thread(build_services, self.cfg, self._factory, self._probe)
+        await asyncio.to_thread(resume_pending, s)  # an interrupted ForgetApp/DeleteDataset ends before any job runs
         s.hub.bind(asyncio.get_running_loop())
         await asyncio.to_thread(s.monitor.read_now)
         await asyncio.to_thread(s.runner.start)
@@ -93,7 +111,7 @@ class Daemon:
         self.scheduler.start()
         limit = self.cfg.server.max_message_bytes
         server = self.server = aio.server(
-            interceptors=[AuthInterceptor(s.auth, lambda: self.serving)],
+            interceptors=[AuthInterceptor(s.auth, lambda: self.serving, s.streams)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -109,10 +127,9 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         sock = self.socket_path
-        sock.parent.mkdir(parents=True, exist_ok=True)
-        sock.parent.chmod(0o700)  # only the owner may even reach the socket
-        if sock.exists():
-            sock.unlink()  # stale socket of a previous (crashed) run
+        private_dir(sock.parent, "socket directory")  # only the owner may even reach the socket
+        if sock.exists() or sock.is_symlink():
+            sock.unlink()  # stale socket of a previous (crashed) run: we hold the data dir's lock
         server.add_insecure_port(f"unix:{sock}")
         if self.cfg.server.tcp_address:
             self.tcp_port = server.add_insecure_port(self.cfg.server.tcp_address)
@@ -149,6 +166,7 @@ class Daemon:
             s.db.close()
         if self.socket_path.exists():
             self.socket_path.unlink()
+        self.lock.release()
         log.info("daemon_stopped")
 
 
@@ -193,6 +211,10 @@ def serve_main(argv: Sequence[str]) -> int:
     configure_logging(cfg.logging.level, cfg.logging.format)
     try:
         return asyncio.run(_serve(cfg))
+    except StartRefusedError as exc:  # another daemon on this data dir, or a shared directory
+        log.error("daemon_refused_to_start", error=str(exc)[:500])
+        print(f"lorad: {exc}", file=sys.stderr)
+        return 1
     except StartupError as exc:  # e.g. a QNN bundle made for another model or SoC
         log.error("daemon_refused_to_start", error=str(exc)[:500])
         print(f"lorad: {exc}", file=sys.stderr)

@@ -31,10 +31,6 @@ class AppData:
         """One page of a dataset's samples and the next page token."""
         return self._samples.list_samples(app_id, dataset_id, size, token)
 
-    def delete_dataset(self, app_id: str, dataset_id: str) -> int:
-        """Deletes a dataset; returns how many samples went with it."""
-        return self._samples.delete_dataset(app_id, dataset_id)
-
     def existing_datasets(self, app_id: str, dataset_ids: Sequence[str]) -> set[str]:
         """Which of ``dataset_ids`` the app has."""
         return self._samples.existing_datasets(app_id, dataset_ids)

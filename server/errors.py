@@ -43,5 +43,9 @@ class Unauthenticated(LoradError):
     """No valid token."""
 
 
+class Internal(LoradError):
+    """A daemon bug; the message carries no exception text or path (the log has the traceback)."""
+
+
 class Unavailable(LoradError):
     """The daemon is shutting down or a dependency cannot be reached; retrying later may succeed."""

@@ -1,15 +1,29 @@
-"""ForgetApp: cancel the app's jobs and delete its samples, datasets, checkpoints, adapters and schedules."""
+"""ForgetApp and DeleteDataset: stop the jobs on the data, delete every row and file derived from it, durably.
+
+Order, so a crash or a full disk never leaves derived data behind: (1) record the intent (a marker file, finished
+at the next start if we die), (2) bar the jobs from the NPU and wait for the worker thread to leave them (no
+checkpoint is written after), (3) delete files (frees space), (4) delete rows in small transactions, (5) clear
+the marker.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
-from lorad.server.jobs.files import remove_tree
+from lorad.server import intents
+from lorad.server.domain import ACTIVE_STATES, Job, JobState
+from lorad.server.errors import FailedPrecondition, LoradError, Unavailable
+from lorad.server.jobs.files import remove_tree, tree_size
 from lorad.server.services import Services
+from lorad.server.store.purge import Purger
 
 log = structlog.get_logger(__name__)
+
+RemoveWindow = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -22,24 +36,168 @@ class ForgetResult:
     freed_bytes: int
 
 
-def forget_app(s: Services, app_id: str, remove_schedule: object = None) -> ForgetResult:
+def _purger(s: Services) -> Purger:
+    return Purger(s.db, s.reserve.release)
+
+
+def _remove_windows(remove_window: RemoveWindow | None, aps_ids: list[str]) -> None:
+    if remove_window is None:
+        return
+    for aps_id in aps_ids:
+        try:
+            remove_window(aps_id)
+        except Exception as exc:  # the scheduler's own store may be on the full disk; a stale window fires once
+            log.warning("window_remove_failed", error=type(exc).__name__)
+
+
+def _clear_plan_cache(s: Services) -> int:
+    """Precision plans are cached by a fingerprint of the training data: drop them all (they are recomputed)."""
+    d = s.layout.data_dir / "cache" / "plans"
+    freed = 0
+    if d.is_dir():
+        for p in d.iterdir():
+            if p.is_file():
+                freed += remove_tree(p)
+    return freed
+
+
+def _stop(s: Services, app_id: str, job_ids: list[str] | None) -> None:
+    timeout = s.cfg.server.checkpoint_timeout_seconds
+    if not s.runner.stop_for_purge(app_id, job_ids, timeout):
+        s.runner.release(app_id, job_ids)
+        raise Unavailable(
+            f"the training job did not stop within {timeout:g} s; retry (the deletion is recorded "
+            "and finishes at the next start otherwise)"
+        )
+
+
+def forget_app(s: Services, app_id: str, remove_window: RemoveWindow | None = None) -> ForgetResult:
     """Deletes everything the app stored (the app stays registered; revoke it separately).
 
-    Args:
-        s: the services.
-        app_id: the app (must exist).
-        remove_schedule: callable(aps_id) that drops a schedule's window from the scheduler, if running.
+    Raises:
+        NotFound: unknown app.
+        Unavailable: its running job did not stop in time (the forget finishes at the next start).
     """
     s.apps.get(app_id)  # NotFound for an unknown app
-    s.manager.cancel_all(app_id)
-    adapters = s.adapters.all_for_app(app_id)
-    for a in adapters:
-        s.adapters.delete(app_id, a.adapter_id)
-    for sid in s.schedules.delete_app(app_id):
-        if callable(remove_schedule):
-            remove_schedule(f"schedule:{sid}")
-    jobs = s.jobs.delete_app_jobs(app_id)
-    n, sample_bytes = s.samples.forget_app(app_id)
-    freed = remove_tree(s.layout.app_dir(app_id)) + sample_bytes
-    log.info("app_forgotten", app_id=app_id, samples=n, adapters=len(adapters), jobs=jobs, freed_bytes=freed)
-    return ForgetResult(n, len(adapters), jobs, freed)
+    marker = intents.record(s.layout.data_dir, "forget", app_id)
+    r = finish_forget(s, app_id, remove_window)
+    intents.clear(marker)
+    s.reserve.ensure()
+    return r
+
+
+def finish_forget(s: Services, app_id: str, remove_window: RemoveWindow | None = None) -> ForgetResult:
+    """The body of ForgetApp (also run at start for an interrupted one); idempotent."""
+    _stop(s, app_id, None)
+    try:
+        more = s.jobs.all_ids(app_id)
+        scheds = [x.schedule_id for x in s.schedules.for_app(app_id)]
+        _remove_windows(remove_window, [f"schedule:{x}" for x in scheds] + [f"window:{j}" for j in more])
+        adapters = s.adapters.all_for_app(app_id)
+        app_dir = s.layout.app_dir(app_id)
+        freed = tree_size(app_dir)
+        remove_tree(app_dir)  # checkpoints, plans, adapters, exports: files first, they free the space
+        freed += _clear_plan_cache(s)
+        for hook in s.on_forget:
+            hook(app_id)
+        p = _purger(s)
+        _, sample_bytes = s.samples.usage(app_id)
+        n = p.samples(app_id)
+        p.execute("DELETE FROM datasets WHERE app_id=?", (app_id,))
+        p.execute("DELETE FROM schedules WHERE app_id=?", (app_id,))
+        p.execute("DELETE FROM adapters WHERE app_id=?", (app_id,))
+        p.job_rows(more)
+        p.finish()
+    finally:
+        s.runner.release(app_id, None)
+    freed += sample_bytes
+    log.info("app_forgotten", samples=n, adapters=len(adapters), jobs=len(more), freed_bytes=freed)
+    return ForgetResult(n, len(adapters), len(more), freed)
+
+
+def dependents(s: Services, app_id: str, dataset_id: str) -> tuple[list[Job], list[str]]:
+    """The app's unfinished jobs and its schedules that read ``dataset_id``."""
+    jobs = [j for j in s.jobs.list_page(app_id, ACTIVE_STATES, 1000, "")[0] if dataset_id in j.spec.dataset_ids]
+    scheds = [x.schedule_id for x in s.schedules.for_app(app_id) if dataset_id in x.spec.dataset_ids]
+    return jobs, scheds
+
+
+def delete_dataset(
+    s: Services,
+    app_id: str,
+    dataset_id: str,
+    cancel_dependents: bool = False,
+    remove_window: RemoveWindow | None = None,
+) -> int:
+    """Deletes a dataset, its samples and the checkpoints of every job that read it; returns the sample count.
+
+    Adapters already trained on it stay (they are the app's product; DeleteAdapter or ForgetApp removes them).
+
+    Raises:
+        NotFound: absent or another app's dataset.
+        FailedPrecondition: an unfinished job or a schedule reads it and ``cancel_dependents`` is false.
+    """
+    s.samples.get_dataset(app_id, dataset_id)
+    jobs, scheds = dependents(s, app_id, dataset_id)
+    if (jobs or scheds) and not cancel_dependents:
+        names = [f"job {j.job_id} ({j.state.name})" for j in jobs] + [f"schedule {x}" for x in scheds]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise FailedPrecondition(
+            f"dataset {dataset_id!r} is used by {shown}; cancel the jobs and delete the schedules first, or pass "
+            "cancel_dependents=true (CLI: --cancel-dependents) to cancel them with the dataset"
+        )
+    marker = intents.record(s.layout.data_dir, "dataset", app_id, dataset_id)
+    n = finish_delete_dataset(s, app_id, dataset_id, remove_window)
+    intents.clear(marker)
+    s.reserve.ensure()
+    return n
+
+
+def finish_delete_dataset(s: Services, app_id: str, dataset_id: str, remove_window: RemoveWindow | None = None) -> int:
+    """The body of DeleteDataset (also run at start for an interrupted one); idempotent."""
+    readers = s.jobs.for_dataset(app_id, dataset_id)
+    ids = [j.job_id for j in readers]
+    _stop(s, app_id, ids)
+    try:
+        p = _purger(s)
+        for j in readers:
+            remove_tree(s.layout.job_dir(app_id, j.job_id))  # checkpoints and plans trained on the data
+            if j.state in ACTIVE_STATES:
+                why = f"cancelled: dataset {dataset_id} deleted"
+                with contextlib.suppress(LoradError):
+                    p.write(lambda j=j: s.jobs.transition(j.job_id, ACTIVE_STATES, JobState.CANCELLED, message=why))  # noqa: B023
+            p.execute("DELETE FROM checkpoints WHERE job_id=?", (j.job_id,))
+        _, scheds = dependents(s, app_id, dataset_id)
+        _remove_windows(remove_window, [f"schedule:{x}" for x in scheds] + [f"window:{j}" for j in ids])
+        for x in scheds:
+            p.execute("DELETE FROM schedules WHERE schedule_id=?", (x,))
+        _clear_plan_cache(s)
+        n = p.samples(app_id, dataset_id)
+        p.execute("DELETE FROM datasets WHERE app_id=? AND dataset_id=?", (app_id, dataset_id))
+        p.finish()
+    finally:
+        s.runner.release(app_id, ids)
+    s.hub.notify()
+    log.info("dataset_deleted", samples=n, jobs=len(ids), schedules=len(scheds))
+    return n
+
+
+def resume_pending(s: Services, remove_window: RemoveWindow | None = None) -> int:
+    """Finishes every deletion an earlier run recorded but did not complete (called at start); returns how many."""
+    done = 0
+    for marker, kind, ids in intents.pending(s.layout.data_dir):
+        try:
+            if kind == "forget" and len(ids) == 1:
+                finish_forget(s, ids[0], remove_window)
+            elif kind == "dataset" and len(ids) == 2:
+                finish_delete_dataset(s, ids[0], ids[1], remove_window)
+            else:
+                log.warning("intent_unknown", kind=kind)
+        except LoradError as exc:
+            log.warning("intent_not_finished", kind=kind, error=str(exc)[:200])
+            continue
+        intents.clear(marker)
+        log.info("intent_finished", kind=kind)
+        done += 1
+    s.reserve.ensure()
+    return done

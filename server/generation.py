@@ -81,6 +81,12 @@ class Generator:
         self._lock = threading.Lock()
         self._adapters: dict[str, Any] = {}
 
+    def drop_app(self, app_id: str) -> None:
+        """Forgets the app's adapter weights held in memory (ForgetApp)."""
+        with self._lock:
+            for k in [k for k, (owner, _) in self._adapters.items() if owner == app_id]:
+                del self._adapters[k]
+
     def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
         from safetensors import SafetensorError
 
@@ -97,8 +103,8 @@ class Generator:
                 ad.check_base(loaded.model_hash, loaded.tokenizer_hash)
             except ValueError as exc:  # AdapterBaseMismatchError: another base or tokenizer
                 raise FailedPrecondition(str(exc)) from None
-            self._adapters[rec.adapter_id] = ad.weights()
-        return self._adapters[rec.adapter_id]
+            self._adapters[rec.adapter_id] = (rec.app_id, ad.weights())
+        return self._adapters[rec.adapter_id][1]
 
     def stream(
         self, req: GenRequest, rec: AdapterRec | None, cancelled: Callable[[], bool], extra: Sequence[AdapterRec] = ()
@@ -107,6 +113,9 @@ class Generator:
 
         ``extra`` adapters apply together with ``rec``: their updates add (``compose``).
         """
+        from lorad.server.modelhost import import_engine
+
+        import_engine()
         from lorad.server.engine.models.generate import SamplingConfig, generate
 
         for i, other in enumerate(extra):
@@ -177,3 +186,62 @@ def compose(weights: Sequence[Any]) -> Any:
             parts[0].append(a)
             parts[1].append(b * w.scale)
     return AdapterWeights({m: (torch.cat(a_s, 0), torch.cat(b_s, 1)) for m, (a_s, b_s) in mods.items()}, 1.0)
+
+
+class GenerationQueue:
+    """Admission for Generate: its own one-thread executor, one generation per app at a time, a bounded queue.
+
+    Generation holds the shared base model for seconds; on the default executor it starved every other RPC (they
+    all run their store calls there). Here it never touches that pool, and one app's burst waits behind itself:
+    each app has at most ``per_app`` generations on the executor, the rest wait (up to ``max_waiting_per_app``).
+    """
+
+    def __init__(self, per_app: int = 1, max_waiting_per_app: int = 8, max_waiting: int = 32) -> None:
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorad-generate")
+        self.per_app, self.max_waiting_per_app, self.max_waiting = per_app, max_waiting_per_app, max_waiting
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._pending: dict[str, int] = {}
+
+    def admit(self, app_id: str) -> Any:
+        """An async context manager holding one of the app's generation slots.
+
+        Raises:
+            ResourceExhausted: the app's or the device's queue is full (the message names the limit).
+        """
+        import asyncio
+        import contextlib
+
+        from lorad.server.errors import ResourceExhausted
+
+        mine, total = self._pending.get(app_id, 0), sum(self._pending.values())
+        if mine >= self.max_waiting_per_app:
+            raise ResourceExhausted(
+                f"this app already has {mine} Generate calls in flight (limit "
+                f"{self.max_waiting_per_app}); wait for one to finish"
+            )
+        if total >= self.max_waiting:
+            raise ResourceExhausted(
+                f"{total} Generate calls are queued on this device (limit {self.max_waiting}); retry in a few seconds"
+            )
+        slot = self._slots.setdefault(app_id, asyncio.Semaphore(self.per_app))
+
+        @contextlib.asynccontextmanager
+        async def held() -> Any:
+            self._pending[app_id] = self._pending.get(app_id, 0) + 1
+            try:
+                async with slot:
+                    yield
+            finally:
+                self._pending[app_id] -= 1
+                if not self._pending[app_id]:
+                    del self._pending[app_id]
+                    self._slots.pop(app_id, None)
+
+        return held()
+
+    def close(self) -> None:
+        """Stops taking work; queued generations are dropped, a running one ends at its next token."""
+        self.pool.shutdown(wait=False, cancel_futures=True)

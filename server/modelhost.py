@@ -10,11 +10,21 @@ from typing import Any
 
 import structlog
 
-from lorad.server.errors import InvalidArgument
+from lorad.server.errors import FailedPrecondition, InvalidArgument
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_NAME = "smollm2-135m-instruct"
+# The engine is imported lazily (lorad serve starts without torch). Two threads importing it at once (a job
+# starting while a Generate loads its base) hit a partially initialised module; every lazy import holds this.
+ENGINE_IMPORTS = threading.RLock()
+
+
+def import_engine() -> None:
+    """Imports the engine's training and generation modules once, under ENGINE_IMPORTS."""
+    with ENGINE_IMPORTS:
+        import lorad.server.engine.models.generate
+        import lorad.server.engine.training  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -108,17 +118,25 @@ class ModelHost:
         e = self.entry(name)
         with self._lock:
             if e.name not in self._loaded:
+                import_engine()
                 from lorad.kernels import detect_backend
                 from lorad.server.engine.models import load_model
                 from lorad.server.engine.training.recipe import resolve_precision
 
                 info = detect_backend(self.backend_override)
-                self._loaded[e.name] = (self.loader or load_model)(
-                    e.source,
-                    cache_root=self.cache_root,
-                    backend=info.name,
-                    precision=resolve_precision("auto", info.name),
-                    lora=None,
-                )
+                try:
+                    self._loaded[e.name] = (self.loader or load_model)(
+                        e.source,
+                        cache_root=self.cache_root,
+                        backend=info.name,
+                        precision=resolve_precision("auto", info.name),
+                        lora=None,
+                    )
+                except OSError as exc:  # a missing or unreadable model folder; its path stays in the log
+                    log.warning("inference_model_unavailable", model=e.name, error_type=type(exc).__name__)
+                    raise FailedPrecondition(
+                        f"model {e.name!r} is not available on this device (its files are missing or unreadable); "
+                        "ask the device owner to reinstall it or pick another base_model"
+                    ) from None
                 log.info("inference_model_loaded", model=e.name, backend=info.name)
             return self._loaded[e.name]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -18,8 +19,11 @@ from lorad.server.device.probes import Probe, Readings, make_probe
 from lorad.server.device.profile import DeviceProfile, resolve_profile
 from lorad.server.device.wakelock import WakeLockHooks
 from lorad.server.domain import Job, Requirements
+from lorad.server.intents import SpaceReserve
 from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
 from lorad.server.modelhost import ModelHost
+from lorad.server.rpc.streams import OpenStreams
+from lorad.server.singleton import private_dir
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
 from lorad.server.store.schedules import ScheduleRepo
 
@@ -50,6 +54,9 @@ class Services:
     registry: AppRegistry  # the domain layer servicers call (the repos above are for the daemon's own parts)
     data: AppData
     library: AdapterLibrary
+    reserve: SpaceReserve
+    on_forget: list[Callable[[str], None]] = field(default_factory=list)  # per-app in-memory caches to drop
+    streams: OpenStreams = field(default_factory=OpenStreams)  # open streaming calls, ended on revocation
 
     @property
     def default_requirements(self) -> Requirements:
@@ -71,8 +78,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         probe: device readings; default from ``cfg.conditions``.
     """
     data = cfg.data_dir
-    data.mkdir(parents=True, exist_ok=True)
-    data.chmod(0o700)
+    private_dir(data, "data directory")
     db = Database(data / "lorad.sqlite")
     apps, samples, jobs, adapters = AppRepo(db), SampleRepo(db), JobRepo(db), AdapterRepo(db)
     layout = Layout(data)
@@ -133,6 +139,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         AppRegistry(apps),
         AppData(apps, samples),
         AdapterLibrary(adapters, layout, models, cfg.storage.export_cache_max_mb * 1024 * 1024),
+        SpaceReserve(data),
     )
 
 

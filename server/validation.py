@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import zoneinfo
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,17 @@ def check_server_id(field: str, value: str) -> str:
         raise InvalidArgument(field, "required")
     if len(value) > 128:
         raise InvalidArgument(field, "too long (at most 128 bytes)")
+    return value
+
+
+def check_int64(field: str, value: int) -> int:
+    """A uint64 request field the store keeps as a signed 64-bit integer.
+
+    Raises:
+        InvalidArgument: above 2^63-1.
+    """
+    if value > 2**63 - 1:
+        raise InvalidArgument(field, f"{value} is too large; at most 9,223,372,036,854,775,807")
     return value
 
 
@@ -105,6 +117,41 @@ def _num(raw: Mapping[str, Any], key: str) -> Any:
     return raw.get(key) or 0
 
 
+FLOAT_FIELDS = {
+    "alpha": "lora.alpha",
+    "dropout": "lora.dropout",
+    "learning_rate": "learning_rate",
+    "weight_decay": "weight_decay",
+    "max_grad_norm": "max_grad_norm",
+    "eval_fraction": "eval_fraction",
+}
+ENUMS = {
+    "backend": (("torch", "ort-cpu", "qnn-htp"), "BACKEND_TORCH, BACKEND_ORT_CPU or BACKEND_QNN_HTP (0 = auto)"),
+    "precision": (
+        ("fp32", "fp16", "w8a16", "w8a8"),
+        "PRECISION_FP32, PRECISION_FP16, PRECISION_W8A16 or PRECISION_W8A8 (0 = auto)",
+    ),
+    "lr_schedule": (
+        ("cosine", "linear", "constant"),
+        "LR_SCHEDULE_COSINE, LR_SCHEDULE_LINEAR or LR_SCHEDULE_CONSTANT (0 = cosine)",
+    ),
+}
+MAX_ALPHA = 4096.0
+MAX_GRAD_NORM = 1e6
+
+
+def _check_finite_and_enums(raw: Mapping[str, Any], field: str) -> None:
+    for key, path in FLOAT_FIELDS.items():
+        val = float(_num(raw, key))
+        if not math.isfinite(val):
+            raise InvalidArgument(f"{field}.{path}", f"{val} is not a finite number")
+    for key, (names, hint) in ENUMS.items():
+        val = str(raw.get(key) or "")
+        if val and val not in names:
+            shown = val.split("#", 1)[-1]
+            raise InvalidArgument(f"{field}.{key}", f"{shown} is not a known value; use {hint}")
+
+
 def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParams:
     """TrainingConfig fields (proto names; 0 = default) → TrainingParams with defaults filled in.
 
@@ -112,12 +159,13 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
         InvalidArgument: naming e.g. ``config.lora.rank``.
     """
     d = TrainingParams()
+    _check_finite_and_enums(raw, field)
     rank = int(_num(raw, "rank")) or d.rank
     if not 1 <= rank <= 128:
         raise InvalidArgument(f"{field}.lora.rank", f"{rank} out of range; 1 to 128 (0 = 8)")
     alpha = float(_num(raw, "alpha")) or 2.0 * rank
-    if alpha < 0:
-        raise InvalidArgument(f"{field}.lora.alpha", f"{alpha} must be > 0 (0 = 2 * rank)")
+    if not 0 < alpha <= MAX_ALPHA:
+        raise InvalidArgument(f"{field}.lora.alpha", f"{alpha} out of range; > 0 and <= {MAX_ALPHA:g} (0 = 2 * rank)")
     dropout = float(_num(raw, "dropout"))
     if not 0 <= dropout <= 0.5:
         raise InvalidArgument(f"{field}.lora.dropout", f"{dropout} out of range; 0 to 0.5")
@@ -149,8 +197,8 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
     if not 0 <= wd <= 1:
         raise InvalidArgument(f"{field}.weight_decay", f"{wd} out of range; 0 to 1")
     clip = float(_num(raw, "max_grad_norm"))
-    if clip < 0:
-        raise InvalidArgument(f"{field}.max_grad_norm", f"{clip} must not be negative (0 = 1.0)")
+    if not 0 <= clip <= MAX_GRAD_NORM:
+        raise InvalidArgument(f"{field}.max_grad_norm", f"{clip} out of range; 0 to {MAX_GRAD_NORM:g} (0 = 1.0)")
     eval_fraction = float(_num(raw, "eval_fraction")) or d.eval_fraction
     if not 0 < eval_fraction <= 0.5:
         raise InvalidArgument(f"{field}.eval_fraction", f"{eval_fraction} out of range; 0 to 0.5 (0 = 0.1)")

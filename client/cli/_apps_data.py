@@ -18,7 +18,7 @@ from lorad.client.types import AppQuota, Sample
 def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     """Registers `app` and `data`."""
     app = sub.add_parser("app", parents=[parent], help="register, list and revoke apps (device owner)")
-    app_sub = app.add_subparsers(dest="action", required=True, metavar="{register,list,revoke,forget}")
+    app_sub = app.add_subparsers(dest="action", required=True, metavar="{register,list,revoke,rotate,forget}")
     reg = app_sub.add_parser(
         "register",
         parents=[parent],
@@ -38,6 +38,10 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     rev = app_sub.add_parser("revoke", parents=[parent], help="revoke an app's token at once (data stays)")
     rev.add_argument("app_id")
     rev.set_defaults(func=app_revoke)
+    rot = app_sub.add_parser("rotate", parents=[parent], help="issue a new token for an app (the old one stops)")
+    rot.add_argument("app_id")
+    rot.add_argument("--save", action="store_true", help=f"write the new token into {cfg.config_file_path()}")
+    rot.set_defaults(func=app_rotate)
     fgt = app_sub.add_parser("forget", parents=[parent], help="delete all of an app's data, jobs and adapters")
     fgt.add_argument("app_id")
     fgt.set_defaults(func=app_forget)
@@ -72,6 +76,11 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     data_sub.add_parser("list", parents=[parent], help="list datasets").set_defaults(func=data_list)
     dele = data_sub.add_parser("delete", parents=[parent], help="delete a dataset and its samples")
     dele.add_argument("dataset")
+    dele.add_argument(
+        "--cancel-dependents",
+        action="store_true",
+        help="also cancel unfinished jobs and delete schedules that read the dataset",
+    )
     dele.set_defaults(func=data_delete)
 
 
@@ -102,9 +111,17 @@ def app_list(args: argparse.Namespace) -> int:
         print_json(apps)
     else:
         rows = [
-            (a.app_id, a.display_name, a.sample_count, human_bytes(a.sample_bytes), when(a.created_at_ms)) for a in apps
+            (
+                a.app_id,
+                a.display_name,
+                "revoked" if a.revoked else "active",
+                a.sample_count,
+                human_bytes(a.sample_bytes),
+                when(a.created_at_ms),
+            )
+            for a in apps
         ]
-        print_table(rows, ("APP", "NAME", "SAMPLES", "BYTES", "REGISTERED"))
+        print_table(rows, ("APP", "NAME", "STATUS", "SAMPLES", "BYTES", "REGISTERED"))
     return EXIT_OK
 
 
@@ -116,6 +133,21 @@ def app_revoke(args: argparse.Namespace) -> int:
         print_json({"revoked": args.app_id})
     else:
         print(f"revoked {args.app_id!r}: its token no longer works (data stays until `lorad app forget`)")
+    return EXIT_OK
+
+
+def app_rotate(args: argparse.Namespace) -> int:
+    """Rotates an app's token; prints the new one."""
+    with make_owner_client(args) as c:
+        token = c.rotate_app_token(args.app_id)
+        target = c.settings.target
+    saved = cfg.save_token(token, target=opt(args, "target") or target) if args.save else None
+    if opt(args, "json"):
+        print_json({"app_id": args.app_id, "token": token, "saved_to": str(saved) if saved else None})
+        return EXIT_OK
+    print(f"new token for {args.app_id!r} (the old one no longer works): {token}")
+    if saved:
+        print(f"saved to {saved} (mode 0600)")
     return EXIT_OK
 
 
@@ -180,7 +212,7 @@ def data_list(args: argparse.Namespace) -> int:
 def data_delete(args: argparse.Namespace) -> int:
     """Deletes a dataset."""
     with make_client(args) as c:
-        n = c.delete_dataset(args.dataset)
+        n = c.delete_dataset(args.dataset, cancel_dependents=args.cancel_dependents)
     if opt(args, "json"):
         print_json({"dataset_id": args.dataset, "deleted_samples": n})
     else:

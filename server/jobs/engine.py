@@ -12,7 +12,7 @@ import structlog
 
 from lorad.server.domain import DataSummary, Phase, Progress, SampleBody
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcome, SessionRequest, SessionSink
-from lorad.server.modelhost import ModelHost
+from lorad.server.modelhost import ModelHost, import_engine
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +115,7 @@ class EngineSession:
 
     def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
         """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
+        import_engine()
         from lorad.kernels import detect_backend
         from lorad.server.engine.training import DataError, prepare, run_recipe
         from lorad.server.engine.training.checkpoint import CheckpointError, list_checkpoints

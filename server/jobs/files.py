@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,14 @@ class Layout:
     def adapter_dir(self, app_id: str, adapter_id: str) -> Path:
         """A registered adapter's directory: ``peft/`` and cached exports."""
         return self.app_dir(app_id) / "adapters" / adapter_id
+
+
+_ABS_PATH = re.compile(r"(?<![\w.])(?:/[^\s/'\"`:,;()\[\]]+)+/?")
+
+
+def scrub_paths(text: str) -> str:
+    """``text`` with every absolute path cut to its last part (device paths never reach an app)."""
+    return _ABS_PATH.sub(lambda m: "…/" + (m.group(0).rstrip("/").rsplit("/", 1)[-1]), text)
 
 
 def tree_size(path: Path) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Collection
 import structlog
 
 from lorad.server.domain import ACTIVE_STATES, Blocked, CheckpointRec, Job, JobEvent, JobSpec, JobState
-from lorad.server.errors import FailedPrecondition, NotFound, ResourceExhausted
+from lorad.server.errors import FailedPrecondition, NotFound
 from lorad.server.jobs.files import Layout, remove_tree
 from lorad.server.jobs.hub import EventHub
 from lorad.server.jobs.runner import Runner
@@ -44,20 +44,25 @@ class JobManager:
             AlreadyExists: request_id reused with a different payload.
             ResourceExhausted: active-job or adapter quota.
         """
+        retried = self.jobs.find_request(app_id, request_id, spec)  # a retry is answered before any check
+        if retried is not None:
+            return retried
         have = self.samples.existing_datasets(app_id, spec.dataset_ids)
         for d in spec.dataset_ids:
             if d not in have:
                 raise NotFound("dataset", d)
         quota = self.apps.get(app_id).quota
         state, blocked = (JobState.QUEUED, Blocked.OUTSIDE_WINDOW) if spec.window else (JobState.WAITING, Blocked.NONE)
-        active = len(self.jobs.list_page(app_id, ACTIVE_STATES, 1000, "")[0])
-        adapters = self.adapters.count(app_id)
-        if adapters + active >= quota.max_adapters:
-            raise ResourceExhausted(
-                f"adapter quota: {adapters} adapters + {active} active jobs >= max_adapters={quota.max_adapters}; "
-                "delete an adapter first"
-            )
-        job, created = self.jobs.create(app_id, request_id, spec, state, blocked, quota.max_active_jobs, schedule_id)
+        job, created = self.jobs.create(
+            app_id,
+            request_id,
+            spec,
+            state,
+            blocked,
+            quota.max_active_jobs,
+            schedule_id,
+            max_adapters=quota.max_adapters,
+        )
         if created:
             log.info("job_created", job_id=job.job_id, app_id=app_id, windowed=spec.window is not None)
             self.hub.notify()

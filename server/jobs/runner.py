@@ -10,7 +10,7 @@ kill -9), so no acknowledged data or finished step beyond the last checkpoint is
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from lorad.server.domain import (
     Requirements,
 )
 from lorad.server.errors import FailedPrecondition, NotFound
-from lorad.server.jobs.files import Layout, remove_tree, tree_size
+from lorad.server.jobs.files import Layout, remove_tree, scrub_paths, tree_size
 from lorad.server.jobs.hub import EventHub
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionFactory, SessionRequest
 from lorad.server.store import AdapterRepo, JobRepo, SampleRepo
@@ -69,6 +69,10 @@ class Runner:
         self.backend_for, self.on_running, self.judge = backend_for, on_running, judge
         self._lock = threading.RLock()
         self._current: str | None = None
+        self._current_app: str | None = None
+        self._idle = threading.Condition(self._lock)  # notified when the worker leaves a job
+        self._barred_apps: dict[str, int] = {}  # app -> purges in progress: none of its jobs may start
+        self._barred_jobs: set[str] = set()
         self._stop = threading.Event()  # the running session's pause flag
         self._target: tuple[JobState, Blocked, str] | None = None  # where the current job goes once paused
         self._wake = threading.Event()
@@ -118,6 +122,42 @@ class Runner:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    def _barred(self, app_id: str | None, job_id: str | None) -> bool:
+        return (app_id is not None and app_id in self._barred_apps) or job_id in self._barred_jobs
+
+    def stop_for_purge(self, app_id: str, job_ids: Collection[str] | None, timeout_s: float) -> bool:
+        """Bars the app's jobs (all, or only ``job_ids``) from the NPU, stops the one running and waits for its thread.
+
+        Nothing the stopped session writes afterwards is registered; the caller deletes its files. Call
+        ``release`` with the same arguments when the purge is done.
+
+        Returns:
+            True once no barred job is on the worker thread (False after ``timeout_s`` seconds).
+        """
+        with self._lock:
+            if job_ids is None:
+                self._barred_apps[app_id] = self._barred_apps.get(app_id, 0) + 1
+            else:
+                self._barred_jobs.update(job_ids)
+            if self._barred(self._current_app, self._current):
+                self._target = (JobState.CANCELLED, Blocked.NONE, "data deleted")
+                self._stop.set()
+                self._wake.set()
+            return self._idle.wait_for(lambda: not self._barred(self._current_app, self._current), timeout_s)
+
+    def release(self, app_id: str, job_ids: Collection[str] | None) -> None:
+        """Ends a ``stop_for_purge`` bar."""
+        with self._lock:
+            if job_ids is None:
+                left = self._barred_apps.get(app_id, 0) - 1
+                if left > 0:
+                    self._barred_apps[app_id] = left
+                else:
+                    self._barred_apps.pop(app_id, None)
+            else:
+                self._barred_jobs.difference_update(job_ids)
+        self.reconcile()
+
     @property
     def current_job_id(self) -> str | None:
         """The job on the NPU, if any."""
@@ -139,19 +179,20 @@ class Runner:
                         self._request_stop(cur, JobState.WAITING, v.first, v.explained)
             busy = cur is not None
             for job in self.jobs.in_states(ELIGIBLE):
-                if job.blocked is Blocked.OUTSIDE_WINDOW:
+                if job.blocked is Blocked.OUTSIDE_WINDOW or self._barred(job.app_id, job.job_id):
                     continue
                 v = self.judge(r, job.spec.requirements)
                 if not v.ok:
                     self._move(job.job_id, ELIGIBLE, JobState.WAITING, v.first, v.explained, f"waiting: {v.detail}")
                 elif not busy:
                     if self._move(job.job_id, ELIGIBLE, JobState.RUNNING, Blocked.NONE, "", self._start_message(job)):
-                        self._current, self._target, busy = job.job_id, None, True
+                        self._current, self._current_app, self._target, busy = job.job_id, job.app_id, None, True
                         self._hook(True)
                         self._stop.clear()
                         self._wake.set()
                 else:
-                    detail = f"job {self._current} is training; this one runs after it"
+                    # Never name the running job: it may be another app's.
+                    detail = "another training job is on the NPU; this one runs after it"
                     self._move(job.job_id, ELIGIBLE, JobState.QUEUED, Blocked.NPU_BUSY, detail, "queued behind a job")
 
     def _hook(self, running: bool) -> None:
@@ -228,9 +269,10 @@ class Runner:
             except Exception:  # the runner must survive anything a job does
                 log.exception("runner_error", job_id=job_id)
             with self._lock:
-                self._current, self._target = None, None
+                self._current, self._current_app, self._target = None, None, None
                 self._stop.clear()
                 closing = self._closing
+                self._idle.notify_all()
             self._hook(False)
             if closing:
                 return
@@ -259,11 +301,15 @@ class Runner:
             try:
                 outcome = self.factory(req).run(self._stop.is_set, _Sink(self, job_id))
             except JobFailure as f:
-                self._fail(job_id, f.code, f.message)
+                if not self._purged(job, work):
+                    self._fail(job_id, f.code, scrub_paths(f.message))
                 return
             except Exception as exc:
                 log.exception("job_crashed")
-                self._fail(job_id, "internal", f"{type(exc).__name__}: {str(exc)[:300]}")
+                if not self._purged(job, work):
+                    self._fail(job_id, "internal", f"{type(exc).__name__}: {scrub_paths(str(exc))[:300]}")
+                return
+            if self._purged(job, work):
                 return
             if outcome.completed and outcome.adapter is not None:
                 self._succeed(job_id, outcome.adapter)
@@ -271,6 +317,15 @@ class Runner:
                 self._paused(job_id)
         finally:
             structlog.contextvars.unbind_contextvars("job_id", "app_id")
+
+    def _purged(self, job: Job, work: Path) -> bool:
+        """True if the job's data is being deleted: whatever the session wrote is removed, nothing is recorded."""
+        with self._lock:
+            barred = self._barred(job.app_id, job.job_id)
+        if barred:
+            remove_tree(work)
+            log.info("job_stopped_for_purge")
+        return barred
 
     def _fail(self, job_id: str, code: str, message: str) -> None:
         log.warning("job_failed", code=code)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +18,13 @@ from lorad.server import validation as v
 from lorad.server.domain import JobState, Message
 from lorad.server.downloads import CHUNK
 from lorad.server.errors import InvalidArgument
-from lorad.server.generation import Generator, GenRequest, check_generate, check_repetition_penalty
+from lorad.server.generation import (
+    GenerationQueue,
+    Generator,
+    GenRequest,
+    check_generate,
+    check_repetition_penalty,
+)
 from lorad.server.jobs.files import tree_size
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
@@ -119,6 +127,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, s: Services) -> None:
         self.s = s
         self.gen = Generator(s.models)
+        self.queue = GenerationQueue()
+        s.on_forget.append(self.gen.drop_app)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
@@ -150,6 +160,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         ]
         penalty = check_repetition_penalty(request.repetition_penalty)
         req = GenRequest(text, messages, n, temp, top_p, request.seed, tuple(request.stop), request.base_model, penalty)
+        async with self.queue.admit(app_id):
+            async for piece in self._generate(req, rec, extra):
+                yield piece
+
+    async def _generate(
+        self, req: GenRequest, rec: Any, extra: list[Any]
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stop = threading.Event()
@@ -163,7 +180,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(queue.put_nowait, exc)
 
-        worker = loop.run_in_executor(None, produce)
+        worker = loop.run_in_executor(self.queue.pool, produce)
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
@@ -176,8 +193,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 )
         finally:
             stop.set()
-            with contextlib.suppress(BaseException):
-                await worker
+            if not worker.cancel():  # not started yet: dropped; running: ends at its next token
+                with contextlib.suppress(BaseException):
+                    await worker
 
 
 class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
@@ -203,6 +221,8 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             ],
         )
         r = self.s.monitor.latest()
+        if app_id is not None:  # an app sees which kind of probe, never a device path
+            r = dataclasses.replace(r, source=re.sub(r":[^+]*", "", r.source))
         verdict = self.s.judge(r, self.s.default_requirements)
         out = device_pb2.GetDeviceStatusResponse(
             backend=backend,

@@ -11,7 +11,7 @@ from grpc import aio
 
 from lorad.server import validation as v
 from lorad.server.errors import InvalidArgument, PermissionDenied
-from lorad.server.forget import forget_app
+from lorad.server.forget import delete_dataset, forget_app
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services
@@ -30,6 +30,8 @@ class AppServicer(apps_pb2_grpc.AppServiceServicer):
         name = request.display_name or app_id
         if len(name.encode()) > 128:
             raise InvalidArgument("display_name", "too long (at most 128 bytes)")
+        for f in ("max_samples", "max_sample_bytes"):
+            v.check_int64(f"quota.{f}", getattr(request.quota, f))
         quota = cv.quota_from_pb(request.quota, self.s.cfg)
         app, token = await asyncio.to_thread(self.s.registry.register, app_id, name, quota)
         return apps_pb2.RegisterAppResponse(app=cv.app_pb(app), token=token)
@@ -41,8 +43,17 @@ class AppServicer(apps_pb2_grpc.AppServiceServicer):
 
     async def RevokeApp(self, request: apps_pb2.RevokeAppRequest, context: aio.ServicerContext) -> Any:
         principal().require_owner()
-        await asyncio.to_thread(self.s.registry.revoke, v.check_id("app_id", request.app_id))
+        app_id = v.check_id("app_id", request.app_id)
+        await asyncio.to_thread(self.s.registry.revoke, app_id)
+        self.s.streams.end_app(app_id)  # after the commit: a stream's next write is refused by the store anyway
         return apps_pb2.RevokeAppResponse()
+
+    async def RotateAppToken(self, request: apps_pb2.RotateAppTokenRequest, context: aio.ServicerContext) -> Any:
+        principal().require_owner()
+        app_id = v.check_id("app_id", request.app_id)
+        token = await asyncio.to_thread(self.s.registry.rotate, app_id)
+        self.s.streams.end_app(app_id)  # streams opened with the old token end with it
+        return apps_pb2.RotateAppTokenResponse(token=token)
 
 
 class DataServicer(data_pb2_grpc.DataServiceServicer):
@@ -106,7 +117,8 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
 
     async def DeleteDataset(self, request: data_pb2.DeleteDatasetRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
-        n = await asyncio.to_thread(self.s.data.delete_dataset, app_id, v.check_id("dataset_id", request.dataset_id))
+        ds = v.check_id("dataset_id", request.dataset_id)
+        n = await asyncio.to_thread(delete_dataset, self.s, app_id, ds, request.cancel_dependents, self.remove_window)
         return data_pb2.DeleteDatasetResponse(deleted_samples=n)
 
     async def ForgetApp(self, request: data_pb2.ForgetAppRequest, context: aio.ServicerContext) -> Any:

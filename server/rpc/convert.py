@@ -133,10 +133,21 @@ def app_pb(a: d.App) -> apps_pb2.App:
         ),
         sample_count=a.sample_count,
         sample_bytes=a.sample_bytes,
+        revoked=a.revoked,
     )
 
 
 # -- jobs ----------------------------------------------------------------------------------------------------------
+def _enum_name(names: dict[Any, str], value: int) -> str:
+    """An enum value's name; "" for 0 (default); an int a client's newer proto sent stays visible to validation."""
+    if value == 0:
+        return ""
+    return names.get(value, f"{UNKNOWN_ENUM}{value}")
+
+
+UNKNOWN_ENUM = "unknown#"  # validation rejects names with this prefix, naming the field and the number
+
+
 def training_raw(c: common_pb2.TrainingConfig) -> dict[str, Any]:
     """TrainingConfig → the plain dict validation.build_params checks (enum values → names, 0 = default)."""
     return {
@@ -151,14 +162,14 @@ def training_raw(c: common_pb2.TrainingConfig) -> dict[str, Any]:
         "seq_len": c.seq_len,
         "grad_accum_steps": c.grad_accum_steps,
         "warmup_steps": c.warmup_steps,
-        "lr_schedule": SCHEDULE_NAMES.get(c.lr_schedule, ""),
+        "lr_schedule": _enum_name(SCHEDULE_NAMES, c.lr_schedule),
         "weight_decay": c.weight_decay,
         "max_grad_norm": c.max_grad_norm,
         "eval_every_steps": c.eval_every_steps,
         "checkpoint_every_steps": c.checkpoint_every_steps,
         "seed": c.seed,
-        "backend": BACKEND_NAMES.get(c.backend, ""),
-        "precision": PRECISION_NAMES.get(c.precision, ""),
+        "backend": _enum_name(BACKEND_NAMES, c.backend),
+        "precision": _enum_name(PRECISION_NAMES, c.precision),
         "eval_fraction": c.eval_fraction,
         "init_adapter_id": c.init_adapter_id,
         "freeze_lora_a": c.freeze_lora_a,

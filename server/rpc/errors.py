@@ -16,6 +16,7 @@ STATUS: tuple[tuple[type[e.LoradError], grpc.StatusCode], ...] = (
     (e.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (e.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (e.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.Internal, grpc.StatusCode.INTERNAL),
 )
 
 FIELD_METADATA_KEY = "lorad-error-field"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import errno
 import secrets
@@ -14,8 +15,16 @@ import structlog
 from grpc import aio
 
 from lorad.server.auth import Authenticator, Principal
-from lorad.server.errors import InvalidArgument, LoradError, ResourceExhausted, Unauthenticated, Unavailable
+from lorad.server.errors import (
+    Internal,
+    InvalidArgument,
+    LoradError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from lorad.server.rpc.errors import status_for, trailing_metadata
+from lorad.server.rpc.streams import OpenStreams
 from lorad.server.rpc.wire import Undecodable, bad_utf8_path, lenient
 
 log = structlog.get_logger(__name__)
@@ -47,9 +56,10 @@ async def _fail(context: aio.ServicerContext, method: str, exc: LoradError) -> N
 class AuthInterceptor(aio.ServerInterceptor):
     """Wraps each handler: token → Principal (UNAUTHENTICATED otherwise), domain error → status code."""
 
-    def __init__(self, auth: Authenticator, serving: Callable[[], bool]) -> None:
+    def __init__(self, auth: Authenticator, serving: Callable[[], bool], streams: OpenStreams | None = None) -> None:
         self.auth = auth
         self.serving = serving
+        self.streams = streams or OpenStreams()
 
     async def intercept_service(
         self,
@@ -79,13 +89,14 @@ class AuthInterceptor(aio.ServerInterceptor):
         return p
 
 
-def _environment_error(exc: Exception) -> LoradError | None:
-    """A full disk (ENOSPC from a file write, SQLITE_FULL from the store) is RESOURCE_EXHAUSTED, not UNKNOWN."""
+def _environment_error(exc: Exception) -> LoradError:
+    """A full disk (ENOSPC, SQLITE_FULL) is RESOURCE_EXHAUSTED; anything else is INTERNAL without its text/paths."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return ResourceExhausted("no space left on the device; free some space and retry")
     if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
         return ResourceExhausted("the database cannot grow: no space left on the device; free some space and retry")
-    return None
+    log.error("rpc_internal_error", error_type=type(exc).__name__, exc_info=exc)
+    return Internal(f"internal error ({type(exc).__name__}); the device owner finds the details in the daemon log")
 
 
 def _checked(request: Any) -> Any:
@@ -103,6 +114,24 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _checked(r)
 
 
+REVOKED = "the app's token was revoked or replaced; this stream ended (nothing after it was stored)"
+
+
+def _track(ic: AuthInterceptor, p: Principal) -> asyncio.Task | None:
+    """Registers the current streaming call of an app so revocation can end it."""
+    task = asyncio.current_task()
+    if task is not None and p.app_id:
+        ic.streams.add(p.app_id, task)
+    return task
+
+
+def _ended_by_revocation(ic: AuthInterceptor, task: asyncio.Task | None) -> bool:
+    if task is not None and ic.streams.was_ended(task):
+        task.uncancel()  # the call continues just long enough to answer UNAUTHENTICATED
+        return True
+    return False
+
+
 def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.RpcMethodHandler:
     deser = h.request_deserializer
     desc = getattr(getattr(deser, "__self__", None), "DESCRIPTOR", None)
@@ -113,18 +142,26 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
 
         async def unary(request: Any, context: aio.ServicerContext) -> Any:
             try:
-                ic.begin(context, method)
+                p = ic.begin(context, method)
             except LoradError as exc:
                 await _fail(context, method, exc)
+            task = _track(ic, p) if streaming_in else None
             try:
                 request = _checked_stream(request) if streaming_in else _checked(request)
                 return await inner(request, context)
+            except asyncio.CancelledError:
+                if not _ended_by_revocation(ic, task):
+                    raise
+                await _fail(context, method, Unauthenticated(REVOKED))
             except LoradError as exc:
                 await _fail(context, method, exc)
+            except aio.AbortError:
+                raise
             except Exception as exc:
-                if (mapped := _environment_error(exc)) is None:
-                    raise
-                await _fail(context, method, mapped)
+                await _fail(context, method, _environment_error(exc))
+            finally:
+                if task is not None and p.app_id:
+                    ic.streams.remove(p.app_id, task)
 
         make = grpc.unary_unary_rpc_method_handler if h.unary_unary else grpc.stream_unary_rpc_method_handler
         return make(unary, request_deserializer=deser, response_serializer=h.response_serializer)
@@ -133,19 +170,27 @@ def _wrap(h: grpc.RpcMethodHandler, method: str, ic: AuthInterceptor) -> grpc.Rp
 
     async def streaming(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            ic.begin(context, method)
+            p = ic.begin(context, method)
         except LoradError as exc:
             await _fail(context, method, exc)
+        task = _track(ic, p)
         try:
             request = _checked_stream(request) if streaming_in else _checked(request)
             async for item in inner_s(request, context):
                 yield item
+        except asyncio.CancelledError:
+            if not _ended_by_revocation(ic, task):
+                raise
+            await _fail(context, method, Unauthenticated(REVOKED))
         except LoradError as exc:
             await _fail(context, method, exc)
+        except aio.AbortError:
+            raise
         except Exception as exc:
-            if (mapped := _environment_error(exc)) is None:
-                raise
-            await _fail(context, method, mapped)
+            await _fail(context, method, _environment_error(exc))
+        finally:
+            if task is not None and p.app_id:
+                ic.streams.remove(p.app_id, task)
 
     make_s = grpc.unary_stream_rpc_method_handler if h.unary_stream else grpc.stream_stream_rpc_method_handler
     return make_s(streaming, request_deserializer=deser, response_serializer=h.response_serializer)

@@ -100,7 +100,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         app_id = p.require_app()
         job_id = v.check_server_id("job_id", request.job_id)
         await asyncio.to_thread(self.s.manager.get, app_id, job_id)
-        cursor = request.after_event_id
+        cursor = v.check_int64("after_event_id", request.after_event_id)
         while True:
             seen = self.s.hub.version
             events, more = await asyncio.to_thread(self.s.manager.events, app_id, job_id, cursor, WATCH_PAGE)
@@ -126,8 +126,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
     async def ListJobEvents(self, request: jobs_pb2.ListJobEventsRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         job_id = v.check_server_id("job_id", request.job_id)
+        after = v.check_int64("after_event_id", request.after_event_id)
         events, more = await asyncio.to_thread(
-            self.s.manager.events, app_id, job_id, request.after_event_id, page_size(request.page_size)
+            self.s.manager.events, app_id, job_id, after, page_size(request.page_size)
         )
         return jobs_pb2.ListJobEventsResponse(events=[cv.event_pb(e) for e in events], has_more=more)
 

@@ -18,7 +18,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 
 from lorad.server.domain import Job, JobSpec, Schedule, Window
-from lorad.server.errors import LoradError
+from lorad.server.errors import LoradError, NotFound
 from lorad.server.jobs.manager import JobManager
 from lorad.server.store.schedules import ScheduleRepo
 
@@ -125,7 +125,11 @@ class WindowScheduler:
                 self.manager.open_window(ident)
                 log.info("window_opened", job_id=ident)
             elif kind == "schedule":
-                s = self.schedules.get(ident)
+                try:
+                    s = self.schedules.get(ident)
+                except NotFound:  # deleted while its window stayed registered (e.g. a crash mid-ForgetApp)
+                    self.remove(f"schedule:{ident}")
+                    return
                 stamp = datetime.now().strftime("%Y%m%dT%H%M")
                 spec = dataclasses.replace(s.spec, window=None)
                 job = self.manager.create(s.app_id, f"schedule:{ident}:{stamp}", spec, schedule_id=ident)

@@ -7,9 +7,9 @@ import json
 import sqlite3
 
 from lorad.server.domain import AdapterRec
-from lorad.server.errors import InvalidArgument, NotFound
+from lorad.server.errors import NotFound
 from lorad.server.store._codec import dumps
-from lorad.server.store.db import Database, decode_cursor, encode_cursor, page_size
+from lorad.server.store.db import Database, decode_int_cursor, encode_cursor, page_size
 
 _COLUMNS = ("adapter_id", "app_id", "job_id", "created_at_ms", "size_bytes", "path")
 
@@ -51,14 +51,12 @@ class AdapterRepo:
 
     def list_page(self, app_id: str, size: int, token: str) -> tuple[list[AdapterRec], str]:
         """The app's adapters newest first; returns (page, next_page_token)."""
-        raw = decode_cursor(token) if token else str(2**62)
-        if raw is None or not raw.isdigit():
-            raise InvalidArgument("page_token", "malformed; pass next_page_token back unchanged")
+        before = decode_int_cursor(token, 2**62)
         limit = page_size(size)
         with self.db.read() as c:
             rows = c.execute(
                 "SELECT * FROM adapters WHERE app_id=? AND seq < ? ORDER BY seq DESC LIMIT ?",
-                (app_id, int(raw), limit + 1),
+                (app_id, before, limit + 1),
             ).fetchall()
         nxt = encode_cursor(str(rows[limit - 1]["seq"])) if len(rows) > limit else ""
         return [_rec(r) for r in rows[:limit]], nxt

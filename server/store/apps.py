@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 from lorad.server.domain import App, Quota
-from lorad.server.errors import AlreadyExists, InvalidArgument, NotFound
+from lorad.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from lorad.server.store.db import Database, decode_cursor, encode_cursor, now_ms, page_size
 
 
@@ -23,12 +23,28 @@ class AppRepo:
     def create(self, app_id: str, display_name: str, token_hash: str, quota: Quota) -> App:
         """Registers an app.
 
+        A revoked app whose data is all forgotten is registered afresh under its id (new token and quota).
+
         Raises:
-            AlreadyExists: the id is taken (also by a revoked app).
+            AlreadyExists: the id is taken (by an active app, or a revoked one that still has data).
         """
         with self.db.tx() as c:
-            if c.execute("SELECT 1 FROM apps WHERE app_id=?", (app_id,)).fetchone():
-                raise AlreadyExists(f"app {app_id!r} already exists; pick another app_id or revoke and forget it")
+            row = c.execute("SELECT revoked FROM apps WHERE app_id=?", (app_id,)).fetchone()
+            if row is not None and not row["revoked"]:
+                raise AlreadyExists(
+                    f"app {app_id!r} already exists; pick another app_id, or revoke and forget it "
+                    "first to register it again"
+                )
+            if row is not None:
+                if any(
+                    c.execute(f"SELECT 1 FROM {t} WHERE app_id=? LIMIT 1", (app_id,)).fetchone()
+                    for t in ("datasets", "samples", "jobs", "adapters", "schedules")
+                ):
+                    raise AlreadyExists(
+                        f"app {app_id!r} is revoked but its data is still stored; forget it first "
+                        "(ForgetApp / `lorad app forget`), then register it again"
+                    )
+                c.execute("DELETE FROM apps WHERE app_id=?", (app_id,))
             c.execute(
                 "INSERT INTO apps(app_id, display_name, token_hash, created_at_ms, max_samples, max_sample_bytes,"
                 " max_adapters, max_active_jobs) VALUES (?,?,?,?,?,?,?,?)",
@@ -79,6 +95,21 @@ class AppRepo:
         ids = [r["app_id"] for r in rows[:limit]]
         nxt = encode_cursor(ids[-1]) if len(rows) > limit else ""
         return [self.get(i) for i in ids], nxt
+
+    def rotate(self, app_id: str, token_hash: str) -> None:
+        """Replaces the app's token hash (the old token stops working with this commit).
+
+        Raises:
+            NotFound: unknown id.
+            FailedPrecondition: the app is revoked.
+        """
+        with self.db.tx() as c:
+            row = c.execute("SELECT revoked FROM apps WHERE app_id=?", (app_id,)).fetchone()
+            if row is None:
+                raise NotFound("app", app_id)
+            if row["revoked"]:
+                raise FailedPrecondition(f"app {app_id!r} is revoked; forget it and register it again for a new token")
+            c.execute("UPDATE apps SET token_hash=? WHERE app_id=?", (token_hash, app_id))
 
     def revoke(self, app_id: str) -> None:
         """Revokes the app's token.

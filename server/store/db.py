@@ -41,9 +41,40 @@ def decode_cursor(token: str) -> str | None:
         return None
 
 
+INT64_MAX = 2**63 - 1  # SQLite integers are signed 64-bit
+
+
+def decode_int_cursor(token: str, default: int) -> int:
+    """The integer cursor inside a page token (``default`` for an empty token).
+
+    Raises:
+        InvalidArgument: malformed, or not a cursor this daemon could have issued (outside 0 … 2^63-1).
+    """
+    from lorad.server.errors import InvalidArgument
+
+    if not token:
+        return default
+    raw = decode_cursor(token)
+    if raw is None or not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > INT64_MAX:
+        raise InvalidArgument("page_token", "malformed; pass next_page_token back unchanged")
+    return int(raw)
+
+
 def page_size(requested: int) -> int:
     """The API's paging rule: 0 means 100, values above 1000 are clamped."""
     return 100 if requested <= 0 else min(requested, 1000)
+
+
+def require_active_app(c: sqlite3.Connection, app_id: str) -> None:
+    """Inside a write transaction: refuses to store anything for a revoked (or unknown) app.
+
+    Revocation commits in its own transaction, so a write either commits before it or is refused here.
+    """
+    from lorad.server.errors import Unauthenticated
+
+    row = c.execute("SELECT revoked FROM apps WHERE app_id=?", (app_id,)).fetchone()
+    if row is None or row["revoked"]:
+        raise Unauthenticated("unknown or revoked token")
 
 
 class Database:
@@ -63,6 +94,8 @@ class Database:
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.execute("PRAGMA busy_timeout=5000")
+        # Deleted rows are overwritten with zeros: forgotten samples must not linger in free pages of the file.
+        self._conn.execute("PRAGMA secure_delete=ON")
         self._migrate()
 
     @property
@@ -91,9 +124,27 @@ class Database:
             try:
                 yield self._conn
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._conn.execute("COMMIT")
+            try:
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+
+    def _rollback(self) -> None:
+        # SQLite rolls back by itself on some errors (SQLITE_FULL, SQLITE_IOERR): a second ROLLBACK would raise
+        # "cannot rollback - no transaction is active" and hide the real error.
+        if self._conn.in_transaction:
+            try:
+                self._conn.execute("ROLLBACK")
+            except sqlite3.OperationalError:
+                log.warning("store_rollback_failed")
+
+    def checkpoint_truncate(self) -> None:
+        """Copies the WAL into the database file and truncates it (frees its disk space; drops old page images)."""
+        with self._lock:
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
 
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:

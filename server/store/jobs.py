@@ -17,7 +17,7 @@ from lorad.server.domain import (
     JobState,
     Progress,
 )
-from lorad.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 from lorad.server.store._codec import (
     checkpoint_from_json,
     checkpoint_to_json,
@@ -27,7 +27,15 @@ from lorad.server.store._codec import (
     spec_hash,
     spec_to_json,
 )
-from lorad.server.store.db import Database, decode_cursor, encode_cursor, new_id, now_ms, page_size
+from lorad.server.store.db import (
+    Database,
+    decode_int_cursor,
+    encode_cursor,
+    new_id,
+    now_ms,
+    page_size,
+    require_active_app,
+)
 
 
 def _job(r: sqlite3.Row) -> Job:
@@ -114,6 +122,7 @@ class JobRepo:
         blocked: Blocked,
         max_active: int,
         schedule_id: str = "",
+        max_adapters: int | None = None,
     ) -> tuple[Job, bool]:
         """Creates a job, or returns the existing one for a retried request_id with the same spec.
 
@@ -134,6 +143,7 @@ class JobRepo:
                         "use a new request_id for a new job"
                     )
                 return _job(row), False
+            require_active_app(c, app_id)
             marks = ",".join("?" * len(ACTIVE_STATES))
             (active,) = c.execute(
                 f"SELECT COUNT(*) FROM jobs WHERE app_id=? AND state IN ({marks})",
@@ -144,6 +154,13 @@ class JobRepo:
                     f"job quota: {active} active jobs >= max_active_jobs={max_active}; cancel one or wait for one "
                     "to finish"
                 )
+            if max_adapters is not None:  # each active job will register one adapter
+                (adapters,) = c.execute("SELECT COUNT(*) FROM adapters WHERE app_id=?", (app_id,)).fetchone()
+                if adapters + active >= max_adapters:
+                    raise ResourceExhausted(
+                        f"adapter quota: {adapters} adapters + {active} active jobs >= max_adapters={max_adapters}; "
+                        "delete an adapter first"
+                    )
             ts = now_ms()
             job_id = new_id("job")
             c.execute(
@@ -154,6 +171,23 @@ class JobRepo:
             job = _load(c, job_id, None)
             _insert_event(c, job, EventKind.STATE_CHANGED, f"job created in {state.name}")
         return job, True
+
+    def find_request(self, app_id: str, request_id: str, spec: JobSpec) -> Job | None:
+        """The job an earlier CreateJob with this request_id made, or None.
+
+        Raises:
+            AlreadyExists: request_id reused with a different spec.
+        """
+        with self.db.read() as c:
+            row = c.execute("SELECT * FROM jobs WHERE app_id=? AND request_id=?", (app_id, request_id)).fetchone()
+        if row is None:
+            return None
+        if row["spec_hash"] != spec_hash(spec):
+            raise AlreadyExists(
+                f"request_id {request_id!r} was used for job {row['job_id']} with a different "
+                "payload; use a new request_id for a new job"
+            )
+        return _job(row)
 
     def get(self, job_id: str, app_id: str | None = None) -> Job:
         """One job (scoped to ``app_id`` unless None).
@@ -166,12 +200,10 @@ class JobRepo:
 
     def list_page(self, app_id: str, states: Collection[JobState], size: int, token: str) -> tuple[list[Job], str]:
         """The app's jobs newest first; returns (page, next_page_token)."""
-        before = decode_cursor(token) if token else None
-        if token and (before is None or not before.isdigit()):
-            raise InvalidArgument("page_token", "malformed; pass next_page_token back unchanged")
+        before = decode_int_cursor(token, 2**62)
         limit = page_size(size)
         sql = "SELECT * FROM jobs WHERE app_id=? AND seq < ?"
-        args: list[Any] = [app_id, int(before) if before else 2**62]
+        args: list[Any] = [app_id, before]
         if states:
             sql += f" AND state IN ({','.join('?' * len(states))})"
             args += [s.value for s in states]
@@ -278,7 +310,13 @@ class JobRepo:
             c.executemany("DELETE FROM checkpoints WHERE checkpoint_id=?", [(g.checkpoint_id,) for g in gone])
         return gone
 
-    def delete_app_jobs(self, app_id: str) -> int:
-        """Deletes every job of the app with its events and checkpoint records; returns the count."""
-        with self.db.tx() as c:
-            return int(c.execute("DELETE FROM jobs WHERE app_id=?", (app_id,)).rowcount)
+    def all_ids(self, app_id: str) -> list[str]:
+        """Every job id of the app (any state)."""
+        with self.db.read() as c:
+            return [r["job_id"] for r in c.execute("SELECT job_id FROM jobs WHERE app_id=?", (app_id,)).fetchall()]
+
+    def for_dataset(self, app_id: str, dataset_id: str) -> list[Job]:
+        """Every job of the app (any state) that reads ``dataset_id``."""
+        with self.db.read() as c:
+            rows = c.execute("SELECT * FROM jobs WHERE app_id=? ORDER BY seq", (app_id,)).fetchall()
+        return [j for j in map(_job, rows) if dataset_id in j.spec.dataset_ids]

@@ -8,7 +8,16 @@ from collections.abc import Sequence
 from lorad.server.domain import AppendResult, Dataset, Quota, SampleBody, StoredSample
 from lorad.server.errors import InvalidArgument, NotFound, ResourceExhausted
 from lorad.server.store._codec import body_from_json, body_to_json, content_hash
-from lorad.server.store.db import Database, decode_cursor, encode_cursor, new_id, now_ms, page_size
+from lorad.server.store.db import (
+    Database,
+    decode_cursor,
+    decode_int_cursor,
+    encode_cursor,
+    new_id,
+    now_ms,
+    page_size,
+    require_active_app,
+)
 
 
 def _dataset(c: sqlite3.Connection, app_id: str, dataset_id: str) -> Dataset:
@@ -20,15 +29,6 @@ def _dataset(c: sqlite3.Connection, app_id: str, dataset_id: str) -> Dataset:
         (app_id, dataset_id),
     ).fetchone()
     return Dataset(dataset_id, n, size, row["created_at_ms"], row["updated_at_ms"])
-
-
-def _cursor_int(token: str) -> int:
-    if not token:
-        return 0
-    raw = decode_cursor(token)
-    if raw is None or not raw.isdigit():
-        raise InvalidArgument("page_token", "malformed; pass next_page_token back unchanged")
-    return int(raw)
 
 
 class SampleRepo:
@@ -47,6 +47,7 @@ class SampleRepo:
         """
         ts = now_ms()
         with self.db.tx() as c:
+            require_active_app(c, app_id)
             hashes = [content_hash(b) for b in bodies]
             existing: dict[str, str] = {}
             for h in set(hashes):
@@ -124,7 +125,7 @@ class SampleRepo:
         Raises:
             NotFound: absent or another app's dataset.
         """
-        after = _cursor_int(token)
+        after = decode_int_cursor(token, 0)
         limit = page_size(size)
         with self.db.read() as c:
             _dataset(c, app_id, dataset_id)
@@ -137,18 +138,6 @@ class SampleRepo:
             for r in rows[:limit]
         ]
         return page, encode_cursor(str(rows[limit - 1]["seq"])) if len(rows) > limit else ""
-
-    def delete_dataset(self, app_id: str, dataset_id: str) -> int:
-        """Deletes a dataset and its samples; returns the number of samples deleted.
-
-        Raises:
-            NotFound: absent or another app's.
-        """
-        with self.db.tx() as c:
-            _dataset(c, app_id, dataset_id)
-            n = c.execute("DELETE FROM samples WHERE app_id=? AND dataset_id=?", (app_id, dataset_id)).rowcount
-            c.execute("DELETE FROM datasets WHERE app_id=? AND dataset_id=?", (app_id, dataset_id))
-        return int(n)
 
     def training_samples(self, app_id: str, dataset_ids: Sequence[str], until_ms: int) -> list[SampleBody]:
         """Samples of the given datasets committed at or before ``until_ms``, oldest first."""
@@ -170,12 +159,10 @@ class SampleRepo:
                 if r["dataset_id"] in dataset_ids
             }
 
-    def forget_app(self, app_id: str) -> tuple[int, int]:
-        """Deletes every sample and dataset of the app; returns (samples deleted, bytes freed)."""
-        with self.db.tx() as c:
+    def usage(self, app_id: str) -> tuple[int, int]:
+        """(sample count, sample bytes) of the app."""
+        with self.db.read() as c:
             n, size = c.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size_bytes),0) FROM samples WHERE app_id=?", (app_id,)
             ).fetchone()
-            c.execute("DELETE FROM samples WHERE app_id=?", (app_id,))
-            c.execute("DELETE FROM datasets WHERE app_id=?", (app_id,))
         return int(n), int(size)

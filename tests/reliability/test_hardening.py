@@ -1,0 +1,252 @@
+"""Issue 11: one daemon per data dir, private socket dir, revocation ends streams, no cross-app leaks, no UNKNOWN."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lorad.v1 import apps_pb2, data_pb2, device_pb2, inference_pb2, jobs_pb2
+from tests.reliability.harness import (
+    BAD,
+    FINAL,
+    SubprocessDaemon,
+    _toml,
+    append,
+    chat,
+    code_of,
+    config_values,
+    corpus,
+    create_job,
+    get_job,
+    wait_for,
+    wait_state,
+)
+
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
+
+
+def test_second_daemon_refuses_and_leaves_the_first_alone(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #3: a second `lorad serve` deleted the first one's socket and ran the same job."""
+    d = SubprocessDaemon(tmp_path / "one", tiny_llama).start()
+    try:
+        app = d.register("solo")
+        ino = d.socket_path.stat().st_ino
+        r = subprocess.run(
+            [sys.executable, "-m", "lorad.server", "--config", str(d.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=d.env,
+            check=False,
+        )
+        tally.number("second daemon: exit code, message", f"{r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+        ok = r.returncode != 0 and f"pid {d.pid}" in r.stderr and d.socket_path.stat().st_ino == ino and app.healthy()
+        if not ok:
+            tally.violation(f"second daemon on one data dir: rc={r.returncode} stderr={r.stderr[-200:]!r}")
+        assert ok, r.stderr[-500:]
+        assert append(app, "ds", corpus(2)).accepted_count == 3
+    finally:
+        d.stop()
+
+
+def test_socket_directory_must_be_private_and_is_never_chmodded(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #8: a socket path in a shared 1777 directory changed that directory's mode."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    d = SubprocessDaemon(tmp_path / "sock", tiny_llama, server={"socket_path": str(shared / "lorad.sock")})
+    d.socket_path = shared / "lorad.sock"
+    d.start(wait=False)
+    assert d.proc is not None
+    rc = d.proc.wait(60)
+    mode = stat.S_IMODE(shared.stat().st_mode)
+    tally.number("socket dir 1777: daemon exit, dir mode after", f"{rc}, {mode:04o}")
+    ok = rc != 0 and mode == 0o1777 and "not private" in d.log_text()
+    if not ok:
+        tally.violation(f"socket dir: shared dir mode {mode:04o} after start (rc {rc})")
+    assert ok, d.log_tail()
+    # A directory lorad creates itself is private.
+    fresh = tmp_path / "fresh" / "run"
+    d2 = SubprocessDaemon(tmp_path / "sock2", tiny_llama, server={"socket_path": str(fresh / "lorad.sock")})
+    d2.socket_path = fresh / "lorad.sock"
+    d2.start()
+    try:
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    finally:
+        d2.stop()
+
+
+def test_revocation_ends_every_stream_at_once(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #4: after RevokeApp an open StreamSamples kept committing samples."""
+    d = SubprocessDaemon(tmp_path / "rev", tiny_llama, probe=BAD).start()
+    try:
+        app = d.register("rv")
+        append(app, "ds", corpus(6))
+        job = create_job(app, "w", ("ds",))
+        ended: dict[str, tuple[float, object]] = {}
+        sent = {"n": 0}
+        stop = threading.Event()
+
+        def feed():
+            i = 0
+            while not stop.is_set():
+                yield data_pb2.StreamSamplesRequest(dataset_id="live", samples=[chat(f"live {i}", f"a {i}")])
+                sent["n"] += 1
+                i += 1
+                time.sleep(0.02)
+
+        def run(name, fn):
+            code = code_of(fn)[0]
+            ended[name] = (time.monotonic(), code)
+
+        calls = {
+            "StreamSamples": lambda: app.data.StreamSamples(feed(), metadata=app.md, timeout=30),
+            "WatchJob": lambda: app.jobs.WatchJob(
+                jobs_pb2.WatchJobRequest(job_id=job.job_id), metadata=app.md, timeout=30
+            ),
+        }
+        threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in calls.items()]
+        for t in threads:
+            t.start()
+        wait_for(lambda: sent["n"] > 10, 30, "stream running")
+        o = d.owner()
+        t0 = time.monotonic()
+        o.apps.RevokeApp(apps_pb2.RevokeAppRequest(app_id="rv"), metadata=o.md, timeout=10)
+        revoked_ms = time.time_ns() // 1_000_000
+        for t in threads:
+            t.join(5)
+        stop.set()
+        took = {k: round(v[0] - t0, 3) for k, v in ended.items()}
+        codes = {k: getattr(v[1], "name", v[1]) for k, v in ended.items()}
+        tally.number("revocation: streams ended after (s)", {k: f"{took[k]} {codes[k]}" for k in took})
+        import sqlite3
+
+        conn = sqlite3.connect(f"file:{d.data_dir / 'lorad.sqlite'}?mode=ro", uri=True)
+        late = conn.execute(
+            "SELECT COUNT(*) FROM samples WHERE app_id='rv' AND created_at_ms > ?", (revoked_ms,)
+        ).fetchone()[0]
+        conn.close()
+        bad = [k for k in calls if k not in took or took[k] > 1.0 or ended[k][1] != grpc.StatusCode.UNAUTHENTICATED]
+        if bad or late:
+            tally.violation(f"revocation: {bad} still open or not UNAUTHENTICATED ({took}, {codes}); {late} late rows")
+        assert not bad and not late, (took, codes, late)
+    finally:
+        d.stop()
+
+
+def test_no_message_names_another_apps_job_and_no_paths(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #5/#9: B's blocked_detail named A's job id; readings.source and errors carried device paths."""
+    d = SubprocessDaemon(
+        tmp_path / "leak",
+        tiny_llama,
+        training={"default_model": str(tiny_llama), "model_dirs": [str(tmp_path / "gone-model")]},
+    )
+    d.start()
+    try:
+        a, b = d.register("leak-a"), d.register("leak-b")
+        append(a, "ds", corpus(12))
+        append(b, "ds", corpus(12))
+        ja = create_job(a, "a", ("ds",), steps=400, checkpoint_every_steps=1000)
+        wait_state(a, ja.job_id, {jobs_pb2.JOB_STATE_RUNNING}, 60)
+        jb = create_job(b, "b", ("ds",), steps=2)
+        jb = wait_for(lambda: (j := get_job(b, jb.job_id)).blocked_reason and j, 30, "b queued")
+        st = b.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=b.md, timeout=10)
+        code, gen_msg = code_of(
+            lambda: list(
+                b.inference.Generate(
+                    inference_pb2.GenerateRequest(text="hi", base_model="gone-model", max_tokens=2),
+                    metadata=b.md,
+                    timeout=30,
+                )
+            )
+        )
+        texts = {
+            "job.blocked_detail": jb.blocked_detail,
+            "status.blocked_detail": st.blocked_detail,
+            "readings.source": st.readings.source,
+            "generate error": gen_msg,
+        }
+        tally.number("cross-app: what B sees", texts)
+        leaks = {k: v for k, v in texts.items() if ja.job_id in v or "leak-a" in v or str(tmp_path) in v or "/" in v}
+        if leaks or code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            tally.violation(f"cross-app/path leak to app B: {leaks} (Generate {code})")
+        assert not leaks and code == grpc.StatusCode.FAILED_PRECONDITION, (leaks, code, gen_msg)
+        a.jobs.CancelJob(jobs_pb2.CancelJobRequest(job_id=ja.job_id), metadata=a.md, timeout=10)
+        wait_state(b, jb.job_id, FINAL, 120)
+    finally:
+        d.stop()
+
+
+def test_huge_integers_are_invalid_argument_not_unknown(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #9: page tokens / after_event_id >= 2^63 gave UNKNOWN OverflowError."""
+    import base64
+
+    d = SubprocessDaemon(tmp_path / "ints", tiny_llama, probe=BAD).start()
+    try:
+        app = d.register("ints")
+        o = d.owner()
+        append(app, "ds", corpus(2))
+        job = create_job(app, "j", ("ds",))
+        big = 2**63 + 5
+        tok = base64.urlsafe_b64encode(str(big).encode()).decode().rstrip("=")
+        md = app.md
+        cases = {
+            "ListSamples.page_token": lambda: app.data.ListSamples(
+                data_pb2.ListSamplesRequest(dataset_id="ds", page_token=tok), metadata=md
+            ),
+            "ListJobs.page_token": lambda: app.jobs.ListJobs(jobs_pb2.ListJobsRequest(page_token=tok), metadata=md),
+            "ListAdapters.page_token": lambda: app.adapters.ListAdapters(
+                __import__("lorad.v1.adapters_pb2", fromlist=["x"]).ListAdaptersRequest(page_token=tok), metadata=md
+            ),
+            "ListJobEvents.after_event_id": lambda: app.jobs.ListJobEvents(
+                jobs_pb2.ListJobEventsRequest(job_id=job.job_id, after_event_id=big), metadata=md
+            ),
+            "WatchJob.after_event_id": lambda: app.jobs.WatchJob(
+                jobs_pb2.WatchJobRequest(job_id=job.job_id, after_event_id=big), metadata=md, timeout=10
+            ),
+            "RegisterApp.quota.max_samples": lambda: o.apps.RegisterApp(
+                apps_pb2.RegisterAppRequest(app_id="huge", quota=apps_pb2.AppQuota(max_samples=big)), metadata=o.md
+            ),
+        }
+        got = {k: code_of(fn) for k, fn in cases.items()}
+        tally.fuzz(len(got))
+        tally.number("huge integers", {k: c.name for k, (c, _) in got.items()})
+        bad = {
+            k: (c.name, m[:80])
+            for k, (c, m) in got.items()
+            if c != grpc.StatusCode.INVALID_ARGUMENT or k.split(".", 1)[1].split(".")[-1] not in m
+        }
+        if bad:
+            tally.violation(f"huge integers: {bad}")
+        assert not bad, bad
+    finally:
+        d.stop()
+
+
+def test_no_chmod_of_existing_data_dir(tmp_path: Path, tiny_llama: Path) -> None:
+    """A data dir lorad did not create keeps its mode; a shared one is refused with the reason."""
+    data = tmp_path / "mine"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    values = config_values(data, tiny_llama, None)
+    cfgp = tmp_path / "c.toml"
+    cfgp.write_text(_toml(values))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "lorad.server", "--config", str(cfgp)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert r.returncode != 0 and "not private" in r.stderr, r.stderr[-300:]
+    assert stat.S_IMODE(data.stat().st_mode) == 0o755
