@@ -9,15 +9,17 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
+import structlog
 from safetensors import SafetensorError
 
 from lorad.server.disk import enforce_export_cap
 from lorad.server.domain import AdapterRec
 from lorad.server.engine.models.atomic import atomic_write
 from lorad.server.errors import FailedPrecondition
-from lorad.server.jobs.files import Layout, remove_tree
+from lorad.server.jobs.files import Layout, remove_tree, scrub_paths
 from lorad.server.modelhost import ModelHost
 
+log = structlog.get_logger(__name__)
 CHUNK = 1024 * 1024  # DownloadAdapter chunks are at most 1 MiB
 _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -39,10 +41,13 @@ def _sha256(path: Path) -> str:
 def _tar_dir(src: Path, dest: Path) -> None:
     def write(out: BinaryIO) -> None:
         with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for p in sorted(src.iterdir()):
-                # Fixed metadata so the same adapter always gives the same bytes (and sha256).
+            for p in sorted(src.iterdir(), key=lambda p: p.name):
+                # Fixed metadata so the same files always give the same bytes (and sha256): no time, owner or
+                # umask-dependent mode from this device.
                 info = tar.gettarinfo(str(p), arcname=p.name)
                 info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                info.mode = 0o644
+                info.pax_headers = {}
                 with p.open("rb") as f:
                     tar.addfile(info, f)
 
@@ -101,6 +106,10 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost, layout: Layout | 
     digest = dest.with_name(name + ".sha256")
     built = False
     with _lock(str(dest)):
+        if dest.exists() and digest.exists() and _sha256(dest) != digest.read_text().strip():
+            # A cached export that no longer matches its digest (bit rot, a torn copy) is rebuilt, never served.
+            log.warning("export_cache_corrupt", fmt=fmt)
+            dest.unlink()
         if not dest.exists() or not digest.exists():
             built = True
             try:
@@ -111,7 +120,10 @@ def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost, layout: Layout | 
                 else:
                     _merged(rec, models, dest)
             except FileNotFoundError as exc:
-                raise FailedPrecondition(f"cannot export {fmt}: base model unavailable ({exc})") from None
+                raise FailedPrecondition(
+                    f"cannot export {fmt}: a file of base model {rec.base_model!r} is missing "
+                    f"({scrub_paths(str(exc))}); ask the device owner to reinstall the model"
+                ) from None
             except (SafetensorError, ValueError, KeyError) as exc:  # torn or tampered adapter files on disk
                 raise FailedPrecondition(
                     f"cannot export {fmt}: adapter {rec.adapter_id} is corrupt on disk "

@@ -255,7 +255,11 @@ def build_window(cron: str, jitter_seconds: int, timezone: str, field: str = "wi
     if len(cron.split()) != 5:
         raise InvalidArgument(f"{field}.cron", f"{cron[:64]!r} must have five fields: minute hour day month weekday")
     try:
-        CronTrigger.from_crontab(cron, timezone=timezone or None)
+        trig = CronTrigger.from_crontab(cron, timezone=timezone or None)
     except ValueError as exc:
         raise InvalidArgument(f"{field}.cron", f"{cron[:64]!r}: {exc}") from None
+    from datetime import datetime
+
+    if trig.get_next_fire_time(None, datetime.now(trig.timezone)) is None:  # e.g. 30 February
+        raise InvalidArgument(f"{field}.cron", f"{cron[:64]!r} never fires (no such date); pick a day that exists")
     return Window(cron=cron, jitter_seconds=jitter_seconds, timezone=timezone)

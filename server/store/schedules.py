@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from lorad.server.domain import JobSpec, Schedule
-from lorad.server.errors import NotFound
+from lorad.server.errors import NotFound, ResourceExhausted
 from lorad.server.store._codec import spec_from_json, spec_to_json
 from lorad.server.store.db import Database, new_id, now_ms
+
+MAX_PER_APP = 16  # each one fires a job; more than a few per app is a runaway client
 
 
 class ScheduleRepo:
@@ -15,9 +17,16 @@ class ScheduleRepo:
         self.db = db
 
     def add(self, app_id: str, spec: JobSpec) -> Schedule:
-        """Stores a new schedule."""
+        """Stores a new schedule.
+
+        Raises:
+            ResourceExhausted: the app has MAX_PER_APP schedules already.
+        """
         s = Schedule(new_id("sch"), app_id, spec, now_ms())
         with self.db.tx() as c:
+            (n,) = c.execute("SELECT COUNT(*) FROM schedules WHERE app_id=?", (app_id,)).fetchone()
+            if n >= MAX_PER_APP:
+                raise ResourceExhausted(f"schedule quota: {n} schedules >= {MAX_PER_APP} per app; delete one first")
             c.execute(
                 "INSERT INTO schedules(schedule_id, app_id, spec, created_at_ms) VALUES (?,?,?,?)",
                 (s.schedule_id, app_id, spec_to_json(spec), s.created_at_ms),

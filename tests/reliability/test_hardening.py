@@ -250,3 +250,124 @@ def test_no_chmod_of_existing_data_dir(tmp_path: Path, tiny_llama: Path) -> None
     )
     assert r.returncode != 0 and "not private" in r.stderr, r.stderr[-300:]
     assert stat.S_IMODE(data.stat().st_mode) == 0o755
+
+
+def test_exports_are_deterministic_and_verified_before_serving(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #11: a corrupted cached export was served forever with a mismatching sha256."""
+    from tests.reliability.harness import download
+
+    d = SubprocessDaemon(tmp_path / "exp", tiny_llama).start()
+    try:
+        app = d.register("exp")
+        append(app, "ds", corpus(12))
+        job = wait_state(app, create_job(app, "e", ("ds",), steps=2).job_id, FINAL, 120)
+        assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.error
+        first = download(app, job.adapter_id)  # checks the header's sha256 against the bytes
+        exports = d.data_dir / "apps" / "exp" / "adapters" / job.adapter_id / "exports"
+        tar = next(p for p in exports.iterdir() if p.name.endswith(".peft.tar"))
+        for p in exports.iterdir():
+            p.unlink()
+        time.sleep(1.1)  # a rebuild one second later must not carry a new mtime
+        rebuilt = download(app, job.adapter_id)
+        blob = bytearray(tar.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        tar.write_bytes(bytes(blob))
+        code, msg = code_of(lambda: download(app, job.adapter_id))
+        healed = download(app, job.adapter_id) if code == grpc.StatusCode.OK else b""
+        tally.number("exports: rebuilt equal, corrupt cache", f"{rebuilt == first}, {code.name}")
+        ok = rebuilt == first and code == grpc.StatusCode.OK and healed == first
+        if not ok:
+            tally.violation(f"exports: rebuilt equal={rebuilt == first}, corrupted cache → {code.name} {msg[:80]}")
+        assert ok, (code, msg)
+    finally:
+        d.stop()
+
+
+def test_api_rules_validation_tokens_schedules_and_dependents(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #10/#11: NaN/unknown enums accepted, retry vs quota, revoked ids stuck, 30 Feb, unbounded
+    schedules, a dataset deleted under a paused job or a schedule."""
+    from lorad.v1 import common_pb2
+
+    d = SubprocessDaemon(tmp_path / "api", tiny_llama, probe=BAD).start()
+    try:
+        o = d.owner()
+        app = d.register("api", max_adapters=1)
+        append(app, "ds", corpus(4))
+        md = app.md
+        bad_configs = {
+            "config.lora.alpha": common_pb2.TrainingConfig(lora=common_pb2.LoraConfig(alpha=float("nan"))),
+            "config.lora.alpha ": common_pb2.TrainingConfig(lora=common_pb2.LoraConfig(alpha=float("inf"))),
+            "config.max_grad_norm": common_pb2.TrainingConfig(max_grad_norm=float("nan")),
+            "config.backend": common_pb2.TrainingConfig(backend=42),
+            "config.precision": common_pb2.TrainingConfig(precision=99),
+            "config.lr_schedule": common_pb2.TrainingConfig(lr_schedule=42),
+        }
+        got = {}
+        for i, (field, cfg) in enumerate(bad_configs.items()):
+            req = jobs_pb2.CreateJobRequest(request_id=f"bad{i}", dataset_ids=["ds"], config=cfg)
+            got[field] = code_of(lambda req=req: app.jobs.CreateJob(req, metadata=md, timeout=10))
+        tally.fuzz(len(got))
+        bad = {
+            k: (c.name, m[:60])
+            for k, (c, m) in got.items()
+            if c != grpc.StatusCode.INVALID_ARGUMENT or not m.startswith(k.strip())
+        }
+        # Idempotent retry after the job filled the adapter quota (max_adapters=1).
+        job = create_job(app, "once", ("ds",))
+        again = code_of(lambda: create_job(app, "once", ("ds",)))
+        if again[0] != grpc.StatusCode.OK:
+            bad["retry after quota"] = (again[0].name, again[1][:60])
+        # Schedules: 30 February never fires; at most 16 per app.
+        win = common_pb2.TrainingWindow(cron="0 3 30 2 *")
+        feb = code_of(
+            lambda: app.jobs.CreateSchedule(
+                jobs_pb2.CreateScheduleRequest(dataset_ids=["ds"], window=win), metadata=md, timeout=10
+            )
+        )
+        if feb[0] != grpc.StatusCode.INVALID_ARGUMENT:
+            bad["30 February"] = (feb[0].name, feb[1][:60])
+        codes = []
+        for _ in range(17):
+            codes.append(
+                code_of(
+                    lambda: app.jobs.CreateSchedule(
+                        jobs_pb2.CreateScheduleRequest(
+                            dataset_ids=["ds"], window=common_pb2.TrainingWindow(cron="30 2 * * *")
+                        ),
+                        metadata=md,
+                        timeout=10,
+                    )
+                )[0]
+            )
+        if codes[-1] != grpc.StatusCode.RESOURCE_EXHAUSTED or codes[:16].count(grpc.StatusCode.OK) != 16:
+            bad["schedules per app"] = ([c.name for c in codes[-2:]], "")
+        # A dataset a waiting job and schedules read is not deleted silently.
+        c, m = code_of(lambda: app.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id="ds"), metadata=md))
+        if c != grpc.StatusCode.FAILED_PRECONDITION or job.job_id not in m or "schedule" not in m:
+            bad["delete used dataset"] = (c.name, m[:80])
+        r = app.data.DeleteDataset(
+            data_pb2.DeleteDatasetRequest(dataset_id="ds", cancel_dependents=True), metadata=md, timeout=30
+        )
+        left = app.jobs.ListSchedules(jobs_pb2.ListSchedulesRequest(), metadata=md).schedules
+        if r.deleted_samples != 6 or left or get_job(app, job.job_id).state != jobs_pb2.JOB_STATE_CANCELLED:
+            bad["cancel_dependents"] = (f"{r.deleted_samples} samples, {len(left)} schedules left", "")
+        # Tokens: rotate replaces the token; revoked shows in the list; revoke + forget frees the id.
+        new = o.apps.RotateAppToken(apps_pb2.RotateAppTokenRequest(app_id="api"), metadata=o.md).token
+        old_code = code_of(lambda: app.data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=md))[0]
+        new_ok = code_of(
+            lambda: d.stubs(new).data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=d.stubs(new).md)
+        )[0]
+        if old_code != grpc.StatusCode.UNAUTHENTICATED or new_ok != grpc.StatusCode.OK:
+            bad["rotate"] = (f"old {old_code.name}, new {new_ok.name}", "")
+        o.apps.RevokeApp(apps_pb2.RevokeAppRequest(app_id="api"), metadata=o.md)
+        listed = {a.app_id: a.revoked for a in o.apps.ListApps(apps_pb2.ListAppsRequest(), metadata=o.md).apps}
+        o.data.ForgetApp(data_pb2.ForgetAppRequest(app_id="api"), metadata=o.md, timeout=60)
+        re_reg = code_of(lambda: d.register("api"))[0]
+        if not listed.get("api") or re_reg != grpc.StatusCode.OK:
+            bad["re-register"] = (f"listed revoked={listed.get('api')}, register {re_reg.name}", "")
+        tally.number("api rules", bad or "all held")
+        if bad:
+            tally.violation(f"api rules: {bad}")
+        assert not bad, bad
+    finally:
+        d.stop()
