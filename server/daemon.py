@@ -22,10 +22,13 @@ from lorad.server.device.probes import Probe
 from lorad.server.jobs import SessionFactory
 from lorad.server.logs import configure_logging
 from lorad.server.qnn_bundle import StartupError
-from lorad.server.rpc.adapter_inference_device import AdapterServicer, DeviceServicer, InferenceServicer
-from lorad.server.rpc.apps_data import AppServicer, DataServicer
+from lorad.server.rpc.adapters import AdapterServicer
+from lorad.server.rpc.apps import AppServicer
+from lorad.server.rpc.data import DataServicer
+from lorad.server.rpc.device import DeviceServicer
+from lorad.server.rpc.inference import InferenceServicer
 from lorad.server.rpc.interceptor import AuthInterceptor
-from lorad.server.rpc.job_service import JobServicer
+from lorad.server.rpc.jobs import JobServicer
 from lorad.server.scheduler import WindowScheduler
 from lorad.server.services import Services, build_services
 from lorad.server.singleton import DataDirLock, StartRefusedError, private_dir

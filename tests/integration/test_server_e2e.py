@@ -34,7 +34,7 @@ def _download(stubs, adapter_id: str, fmt: int = adapters_pb2.ADAPTER_FORMAT_PEF
 
 @pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
 def test_end_to_end(make_daemon, tcp: bool, monkeypatch) -> None:
-    from lorad.server.rpc import job_service
+    from lorad.server.rpc import jobs as job_service
 
     monkeypatch.setattr(job_service, "WATCH_PAGE", 3)  # the watch catches up in pages of 3 events
     d = make_daemon(tcp=tcp)
