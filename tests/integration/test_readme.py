@@ -121,7 +121,7 @@ EXPECTED = [  # (command prefix, a regex its stdout must match)
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_cli_tour_runs_verbatim(doc: Path, tiny_llama: Path, tmp_path: Path) -> None:
-    from conftest import ServedDaemon, served_env
+    from tests.integration.conftest import ServedDaemon, served_env
 
     cwd = tmp_path / "tour"
     cwd.mkdir()
