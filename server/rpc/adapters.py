@@ -10,8 +10,8 @@ from typing import Any
 from grpc import aio
 
 from lorad.server import validation as v
-from lorad.server.downloads import CHUNK
 from lorad.server.errors import InvalidArgument
+from lorad.server.exports import CHUNK
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services

@@ -14,7 +14,7 @@ from grpc import aio
 from lorad.server import validation as v
 from lorad.server.domain import Message
 from lorad.server.errors import InvalidArgument
-from lorad.server.generation import (
+from lorad.server.inference import (
     GenerationQueue,
     Generator,
     GenRequest,

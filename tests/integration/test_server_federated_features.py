@@ -130,7 +130,7 @@ def test_compose_adds_the_updates() -> None:
     import torch
 
     from lorad.server.engine.models.model import AdapterWeights
-    from lorad.server.generation import compose
+    from lorad.server.inference import compose
 
     g = torch.Generator().manual_seed(0)
 
