@@ -149,3 +149,20 @@ def test_cli_tour_runs_verbatim(doc: Path, tiny_llama: Path, tmp_path: Path) -> 
                 job_id = next(j["job_id"] for j in json.loads(jobs) if j["state"] == "succeeded")
     finally:
         served.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_phone_projection_commands_run_as_written(tmp_path: Path) -> None:
+    # README's other blocks: "Two commands" (`make demo` is test_sdk_demo.py, `make test` is CI itself) and this one.
+    lines = [re.sub(r"\s+#\s.*$", "", x).strip() for x in code_block(DOCS[0], "On a phone", "sh").splitlines()]
+    assert lines == ["python bench/phone_projection.py", "python bench/phone_projection.py --json"]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    table = subprocess.run(["bash", "-c", lines[0]], check=False, capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=600)  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.startswith("PROJECTION") and "SmolLM2-135M" in table.stdout
+    js = subprocess.run(["bash", "-c", lines[1]], check=False, capture_output=True, text=True, cwd=ROOT, env=env,
+                        timeout=600)  # fmt: skip
+    assert js.returncode == 0, js.stderr
+    assert isinstance(json.loads(js.stdout.strip().splitlines()[-1]), dict)
