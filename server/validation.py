@@ -70,6 +70,18 @@ def _text(field: str, value: str) -> None:
         raise InvalidArgument(field, f"too long: {n} bytes > 65,536")
 
 
+def check_batch_size(n: int, field: str = "samples") -> None:
+    """The sample count of one call, checked before the samples are converted.
+
+    Raises:
+        InvalidArgument: 0 or more than MAX_SAMPLES_PER_CALL.
+    """
+    if n == 0:
+        raise InvalidArgument(field, "empty; send 1 to 1,000 samples")
+    if n > MAX_SAMPLES_PER_CALL:
+        raise InvalidArgument(field, f"too many: {n} > 1,000 per call; split the batch")
+
+
 def validate_samples(bodies: Sequence[SampleBody | None], field: str = "samples") -> None:
     """Checks a batch of samples; ``None`` stands for a sample with no content set.
 

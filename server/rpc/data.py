@@ -26,6 +26,7 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
         self.remove_window = remove_window
 
     def _append(self, app_id: str, dataset_id: str, samples: Any) -> Any:
+        v.check_batch_size(len(samples))  # before any conversion: 10^6 tiny samples must cost nothing
         bodies = [cv.sample_from_pb(x) for x in samples]
         v.validate_samples(bodies)
         return self.s.data.append(app_id, dataset_id, [b for b in bodies if b is not None])  # validated: none is None

@@ -25,7 +25,7 @@ from lorad.server.errors import (
 )
 from lorad.server.rpc.errors import status_for, trailing_metadata
 from lorad.server.rpc.streams import OpenStreams
-from lorad.server.rpc.wire import Undecodable, bad_utf8_path, lenient
+from lorad.server.rpc.wire import TooMany, Undecodable, bad_utf8_path, lenient
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +101,8 @@ def _environment_error(exc: Exception) -> LoradError:
 
 def _checked(request: Any) -> Any:
     """The request, or InvalidArgument naming the field that is not UTF-8."""
+    if isinstance(request, TooMany):
+        raise InvalidArgument(request.field, f"too many: more than {request.limit:,} per call; split the batch")
     if isinstance(request, Undecodable):
         path = bad_utf8_path(request.raw, request.descriptor)
         if path:

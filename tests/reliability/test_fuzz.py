@@ -20,7 +20,15 @@ pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 
 EXAMPLES_PER_RPC = 60  # 28 RPCs → 1,680 structured cases, plus the oversized and raw-bytes cases below
 BAD_UTF8_MARK = "@@BADUTF8@@"  # replaced in the wire bytes by as many invalid UTF-8 bytes (lengths stay valid)
-DESTRUCTIVE = {"DeleteDataset", "CancelJob", "DeleteSchedule", "DeleteAdapter", "ForgetApp", "RevokeApp"}
+DESTRUCTIVE = {
+    "DeleteDataset",
+    "CancelJob",
+    "DeleteSchedule",
+    "DeleteAdapter",
+    "ForgetApp",
+    "RevokeApp",
+    "RotateAppToken",
+}
 INT_EDGES = [0, 1, -1, 2, 7, 63, 64, 65, 100, 128, 1000, 1001, 4096, 65_536, 100_001, 2**31 - 1, -(2**31), 2**32 - 1,
              2**63 - 1, -(2**63), 2**64 - 1]  # fmt: skip
 RANGES = {F.TYPE_INT32: (-(2**31), 2**31 - 1), F.TYPE_INT64: (-(2**63), 2**63 - 1), F.TYPE_UINT32: (0, 2**32 - 1),

@@ -371,3 +371,106 @@ def test_api_rules_validation_tokens_schedules_and_dependents(tmp_path: Path, ti
         assert not bad, bad
     finally:
         d.stop()
+
+
+def test_oversized_sample_counts_are_refused_before_work(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #7: 10^6 tiny samples in one 9.9 MB AppendSamples were converted in full; RSS grew by ~900 MiB."""
+    from lorad.v1 import common_pb2
+
+    d = SubprocessDaemon(tmp_path / "rss", tiny_llama, probe=BAD).start()
+    try:
+        app = d.register("rss")
+        append(app, "ds", corpus(2))
+        raw = data_pb2.AppendSamplesRequest(dataset_id="ds", samples=[common_pb2.Sample(text="a")] * 1_000_000)
+        before = d.rss_bytes()
+        codes: list[object] = []
+
+        def hit() -> None:
+            c, m = code_of(lambda: app.data.AppendSamples(raw, metadata=app.md, timeout=60))
+            codes.append((c, m))
+
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            threads = [threading.Thread(target=hit) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+            took.append(round(time.monotonic() - t0, 2))
+        grown = (d.rss_bytes() - before) / 2**20
+        tally.number("oversized batches: RSS growth MiB, seconds per 4 calls", f"{grown:.0f}, {took}")
+        ok = all(c == grpc.StatusCode.INVALID_ARGUMENT and "1,000" in m for c, m in codes) and grown < 300
+        if not ok:
+            tally.violation(f"oversized batches: {[c.name for c, _ in codes][:3]}, RSS +{grown:.0f} MiB")
+        assert ok, (codes[:2], grown)
+        assert app.healthy()
+    finally:
+        d.stop()
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
+def test_long_generations_do_not_stall_other_apps(tmp_path: Path, tiny_llama: Path, tally) -> None:
+    """Issue 11 #6: 8 Generate streams of 2048 tokens made another app's GetDataset take 54 s."""
+    import json
+    import shutil
+
+    model = tmp_path / "long-llama"
+    shutil.copytree(tiny_llama, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096  # same weights, room for 2048 new tokens
+    (model / "config.json").write_text(json.dumps(cfg))
+    d = SubprocessDaemon(tmp_path / "fair", model, probe=BAD).start()
+    try:
+        gen, other = d.register("gen"), d.register("other")
+        append(other, "ds", corpus(2))
+
+        def latencies(n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                t0 = time.monotonic()
+                other.data.GetDataset(data_pb2.GetDatasetRequest(dataset_id="ds"), metadata=other.md, timeout=60)
+                out.append(time.monotonic() - t0)
+                time.sleep(0.01)
+            return out
+
+        base = latencies(100)
+        started = threading.Event()
+        results: list[object] = []
+
+        def generate() -> None:
+            req = inference_pb2.GenerateRequest(text="once upon a time", max_tokens=2048, temperature=1.0, seed=1)
+            n = 0
+            try:
+                for r in gen.inference.Generate(req, metadata=gen.md, timeout=300):
+                    n += r.token_count
+                    started.set()
+                results.append(n)
+            except grpc.RpcError as e:
+                results.append(e.code())
+
+        threads = [threading.Thread(target=generate, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        loaded: list[float] = []
+        while any(t.is_alive() for t in threads) and len(loaded) < 2000:
+            loaded += latencies(1)  # sampled only while generations run
+        busy = len(loaded)
+        for t in threads:
+            t.join(300)
+        p_base, p_load = _p99(base), _p99(loaded)
+        tally.number(
+            "fairness: other app's GetDataset p99 (s) idle / under 8 generations",
+            f"{p_base:.4f} / {p_load:.4f} ({busy} calls measured under load)",
+        )
+        ok = busy >= 30 and p_load < max(0.1, 5 * p_base) and all(isinstance(r, int) for r in results)
+        if not ok:
+            tally.violation(f"fairness: p99 {p_load:.3f}s under load (idle {p_base:.3f}s); results {results}")
+        assert ok, (p_base, p_load, busy, results)
+    finally:
+        d.stop()

@@ -136,3 +136,16 @@ def test_create_job_retry_is_answered_before_the_quota(db: Database) -> None:
         jobs.create("a", "r2", SPEC, JobState.WAITING, Blocked.NONE, 3, max_adapters=1)
     assert jobs.find_request("a", "r1", SPEC) == job
     assert AdapterRepo(db).count("a") == 0
+
+
+def test_sample_count_is_bounded_before_parsing() -> None:
+    from lorad.server.rpc.wire import TooMany, count_exceeds, lenient
+    from lorad.v1 import data_pb2
+
+    many = data_pb2.AppendSamplesRequest(dataset_id="d", samples=[common_pb2.Sample(text="a")] * 1001)
+    ok = data_pb2.AppendSamplesRequest(dataset_id="d", samples=[common_pb2.Sample(text="a")] * 1000)
+    assert count_exceeds(many.SerializeToString(), 2, 1000)
+    assert not count_exceeds(ok.SerializeToString(), 2, 1000)
+    parse = lenient(data_pb2.AppendSamplesRequest.FromString, data_pb2.AppendSamplesRequest.DESCRIPTOR)
+    assert parse(many.SerializeToString()) == TooMany("samples", 1000)
+    assert len(parse(ok.SerializeToString()).samples) == 1000
