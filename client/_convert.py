@@ -344,8 +344,9 @@ def generate_chunk(m: inference_pb2.GenerateResponse) -> t.GenerateChunk:
 
 def disk_usage(m: device_pb2.GetDiskUsageResponse) -> t.DiskUsage:
     """Converts disk usage."""
-    apps = tuple(t.AppDiskUsage(a.app_id, a.data_bytes, a.checkpoint_bytes, a.adapter_bytes, a.export_bytes)
-                 for a in m.apps)  # fmt: skip
+    apps = tuple(
+        t.AppDiskUsage(a.app_id, a.data_bytes, a.checkpoint_bytes, a.adapter_bytes, a.export_bytes) for a in m.apps
+    )
     return t.DiskUsage(apps, m.cache_bytes, m.database_bytes, m.export_cache_limit_bytes)
 
 

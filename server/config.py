@@ -71,9 +71,11 @@ class StorageSection:
     keep_checkpoints: int = field(default=2, metadata=_help("Checkpoints kept per job (>= 1)."))
     export_cache_max_mb: int = field(
         default=1024,
-        metadata=_help("Cached download files (all apps) are kept below this many MiB, least recently served go "
-                       "first; 0 = no cap. A merged SmolLM2-135M export is ~270 MiB."),
-    )  # fmt: skip
+        metadata=_help(
+            "Cached download files (all apps) are kept below this many MiB, least recently served go "
+            "first; 0 = no cap. A merged SmolLM2-135M export is ~270 MiB."
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -250,8 +252,10 @@ def _validate(cfg: Config) -> list[str]:
             "127.0.0.1, localhost, [::1] and port 0..65535",
         )
     check(cfg.storage.keep_checkpoints >= 1, f"storage.keep_checkpoints={cfg.storage.keep_checkpoints}: must be >= 1")
-    check(cfg.storage.export_cache_max_mb >= 0,
-          f"storage.export_cache_max_mb={cfg.storage.export_cache_max_mb}: must be >= 0 (0 = no cap)")  # fmt: skip
+    check(
+        cfg.storage.export_cache_max_mb >= 0,
+        f"storage.export_cache_max_mb={cfg.storage.export_cache_max_mb}: must be >= 0 (0 = no cap)",
+    )
     for name in ("max_samples", "max_sample_bytes", "max_adapters", "max_active_jobs"):
         v = getattr(q, name)
         check(v >= 1, f"quotas.{name}={v}: must be >= 1")

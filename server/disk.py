@@ -92,8 +92,9 @@ def export_files(layout: Layout) -> list[Path]:
     return sorted(layout.data_dir.glob("apps/*/adapters/*/exports/*"))
 
 
-def enforce_export_cap(layout: Layout, cap_bytes: int, keep: Path,
-                       lock_for: Callable[[str], AbstractContextManager[object]]) -> int:  # fmt: skip
+def enforce_export_cap(
+    layout: Layout, cap_bytes: int, keep: Path, lock_for: Callable[[str], AbstractContextManager[object]]
+) -> int:
     """Deletes the least recently used exports until all apps' exports fit in ``cap_bytes``; never ``keep``.
 
     Exports are rebuilt on demand, so evicting one costs only the next download's rebuild. An open download of an

@@ -81,8 +81,9 @@ def _merged(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
         remove_tree(folder)
 
 
-def adapter_file(rec: AdapterRec, fmt: str, models: ModelHost, layout: Layout | None = None,
-                 cap_bytes: int = 0) -> tuple[BinaryIO, int, str, str]:  # fmt: skip
+def adapter_file(
+    rec: AdapterRec, fmt: str, models: ModelHost, layout: Layout | None = None, cap_bytes: int = 0
+) -> tuple[BinaryIO, int, str, str]:
     """The file for ``fmt`` ("peft", "gguf", "merged"), built on first request and cached next to the adapter.
 
     The file is opened under its lock, so evicting it later (the export-cache cap, gc) cannot pull it away from

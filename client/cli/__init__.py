@@ -99,8 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = usage.getvalue().strip()
         if wants_json and code == EXIT_USAGE:
             message = re.sub(r"^lorad[\w -]*: error: ", "", text.splitlines()[-1]) if text else "usage error"
-            print_json({"error": {"code": "USAGE", "type": "UsageError", "message": message, "field": ""}},
-                       sys.stderr)  # fmt: skip
+            print_json({"error": {"code": "USAGE", "type": "UsageError", "message": message, "field": ""}}, sys.stderr)
         elif text:
             print(text, file=sys.stderr)
         return code

@@ -33,8 +33,12 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     j.add_argument("--root-certificates", help="PEM CA bundle that signed the SuperLink's TLS certificate")
     j.add_argument("--insecure", action="store_true", help="no TLS (loopback tests only)")
     j.add_argument("--auth-key", help="this SuperNode's private key (SuperLink node authentication)")
-    j.add_argument("--gate-wait-seconds", type=float, default=0.0,
-                   help="seconds a round job may wait for charger/battery/temperature before declining")  # fmt: skip
+    j.add_argument(
+        "--gate-wait-seconds",
+        type=float,
+        default=0.0,
+        help="seconds a round job may wait for charger/battery/temperature before declining",
+    )
     j.add_argument("--runtime-port", type=int, default=0, help="SuperNode runtime API port on 127.0.0.1 (9094)")
     j.add_argument("--foreground", action="store_true", help="run in the foreground (for runit/systemd services)")
     j.set_defaults(func=join)
@@ -87,8 +91,11 @@ def joined() -> list[dict[str, Any]]:
 def join(args: argparse.Namespace) -> int:
     """Starts the SuperNode (detached unless --foreground) with the node config the ClientApp reads."""
     if not args.opt_in:
-        raise InvalidArgument("--opt-in is required: federated training uses the app's data on this device "
-                              "(only the adapter update leaves it)", field="opt-in")  # fmt: skip
+        raise InvalidArgument(
+            "--opt-in is required: federated training uses the app's data on this device "
+            "(only the adapter update leaves it)",
+            field="opt-in",
+        )
     if not args.insecure and not args.root_certificates:
         raise InvalidArgument("give --root-certificates PEM (TLS) or, on loopback only, --insecure", field="tls")
     prev = _read_state(args.app)
@@ -101,8 +108,10 @@ def join(args: argparse.Namespace) -> int:
     token_file = d / f"{args.app}.token"
     token_file.touch(mode=0o600)
     token_file.write_text(token)
-    node_cfg = (f"lorad-target='{target}' lorad-token-file='{token_file}' datasets='{args.datasets}' opt-in=true "
-                f"gate-wait-seconds={float(args.gate_wait_seconds)}")  # fmt: skip
+    node_cfg = (
+        f"lorad-target='{target}' lorad-token-file='{token_file}' datasets='{args.datasets}' opt-in=true "
+        f"gate-wait-seconds={float(args.gate_wait_seconds)}"
+    )
     argv = [_supernode_binary(), "--superlink", args.superlink, "--node-config", node_cfg, "--host", "127.0.0.1"]
     argv += ["--insecure"] if args.insecure else ["--root-certificates", args.root_certificates]
     if args.auth_key:
@@ -114,8 +123,9 @@ def join(args: argparse.Namespace) -> int:
         (d / f"{args.app}.json").write_text(json.dumps({**state, "pid": os.getpid()}))
         return subprocess.call(argv)
     log = (d / f"{args.app}.log").open("ab")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     (d / f"{args.app}.json").write_text(json.dumps({**state, "pid": proc.pid}))
     if opt(args, "json"):
         print_json({**state, "pid": proc.pid})
@@ -150,8 +160,11 @@ def leave_cmd(args: argparse.Namespace) -> int:
 
 def describe() -> list[str]:
     """One line per joined app, for `lorad status`."""
-    return [f"federation {s['app']} → {s['superlink']} ({'running' if s['running'] else 'stopped'}, "
-            f"datasets {s['datasets']})" for s in joined()]  # fmt: skip
+    return [
+        f"federation {s['app']} → {s['superlink']} ({'running' if s['running'] else 'stopped'}, "
+        f"datasets {s['datasets']})"
+        for s in joined()
+    ]
 
 
 def status(args: argparse.Namespace) -> int:

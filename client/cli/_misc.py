@@ -56,8 +56,13 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     gen = sub.add_parser("generate", parents=[parent], help="generate text with the base model or an adapter")
     gen.add_argument("prompt", help="the user's message ('-' reads stdin)")
     gen.add_argument("--adapter", default=None, help="adapter id or job id (default: base model only)")
-    gen.add_argument("--with-adapter", action="append", default=[], metavar="ADAPTER",
-                     help="another adapter applied with --adapter, e.g. a federated global one")  # fmt: skip
+    gen.add_argument(
+        "--with-adapter",
+        action="append",
+        default=[],
+        metavar="ADAPTER",
+        help="another adapter applied with --adapter, e.g. a federated global one",
+    )
     gen.add_argument("--system", default=None, help="a system message before the prompt")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
     add_sampling_args(gen)

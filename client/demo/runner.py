@@ -237,6 +237,9 @@ class Demo:
         if self.s.keep:
             print(f"adapter: {r.adapter_path} (sha256 {r.adapter_sha256})", file=w)
         else:  # the file went with the temporary directory: naming its path would point at nothing
-            print(f"adapter: sha256 {r.adapter_sha256}, removed with the demo's temporary directory "
-                  "(run with --keep to keep it)", file=w)  # fmt: skip
+            print(
+                f"adapter: sha256 {r.adapter_sha256}, removed with the demo's temporary directory "
+                "(run with --keep to keep it)",
+                file=w,
+            )
         print(f"demo took {r.seconds:.0f} s", file=w, flush=True)

@@ -96,10 +96,15 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         )
         for a in self._app_ids(app_id):
             u = disk.app_usage(self.s.layout, a, self.s.registry.get(a).sample_bytes)
-            out.apps.append(device_pb2.AppDiskUsage(
-                app_id=u.app_id, data_bytes=u.data_bytes, checkpoint_bytes=u.checkpoint_bytes,
-                adapter_bytes=u.adapter_bytes, export_bytes=u.export_bytes,
-            ))  # fmt: skip
+            out.apps.append(
+                device_pb2.AppDiskUsage(
+                    app_id=u.app_id,
+                    data_bytes=u.data_bytes,
+                    checkpoint_bytes=u.checkpoint_bytes,
+                    adapter_bytes=u.adapter_bytes,
+                    export_bytes=u.export_bytes,
+                )
+            )
         if app_id is None:
             out.cache_bytes = tree_size(self.s.models.cache_root)
             out.database_bytes = disk.database_bytes(self.s.db.path)
@@ -113,8 +118,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         owner_caches = self.s.models.cache_root if app_id is None else None
         training = self.s.runner.current_job_id is not None
         c = await asyncio.to_thread(disk.collect, self.s.layout, self._app_ids(app_id), owner_caches, training)
-        return device_pb2.CollectGarbageResponse(freed_bytes=c.freed_bytes, removed_files=c.removed_files,
-                                                 caches_kept_reason=c.caches_kept_reason)  # fmt: skip
+        return device_pb2.CollectGarbageResponse(
+            freed_bytes=c.freed_bytes, removed_files=c.removed_files, caches_kept_reason=c.caches_kept_reason
+        )
 
 
 def _version() -> str:
