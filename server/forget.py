@@ -9,6 +9,7 @@ the marker.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -163,9 +164,16 @@ def finish_delete_dataset(s: Services, app_id: str, dataset_id: str, remove_wind
         for j in readers:
             remove_tree(s.layout.job_dir(app_id, j.job_id))  # checkpoints and plans trained on the data
             if j.state in ACTIVE_STATES:
-                why = f"cancelled: dataset {dataset_id} deleted"
                 with contextlib.suppress(LoradError):
-                    p.write(lambda j=j: s.jobs.transition(j.job_id, ACTIVE_STATES, JobState.CANCELLED, message=why))  # noqa: B023
+                    p.write(
+                        functools.partial(
+                            s.jobs.transition,
+                            j.job_id,
+                            ACTIVE_STATES,
+                            JobState.CANCELLED,
+                            message=f"cancelled: dataset {dataset_id} deleted",
+                        )
+                    )
             p.execute("DELETE FROM checkpoints WHERE job_id=?", (j.job_id,))
         _, scheds = dependents(s, app_id, dataset_id)
         _remove_windows(remove_window, [f"schedule:{x}" for x in scheds] + [f"window:{j}" for j in ids])

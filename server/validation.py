@@ -158,9 +158,9 @@ def _check_finite_and_enums(raw: Mapping[str, Any], field: str) -> None:
         if not math.isfinite(val):
             raise InvalidArgument(f"{field}.{path}", f"{val} is not a finite number")
     for key, (names, hint) in ENUMS.items():
-        val = str(raw.get(key) or "")
-        if val and val not in names:
-            shown = val.split("#", 1)[-1]
+        name = str(raw.get(key) or "")
+        if name and name not in names:
+            shown = name.split("#", 1)[-1]
             raise InvalidArgument(f"{field}.{key}", f"{shown} is not a known value; use {hint}")
 
 

@@ -62,7 +62,8 @@ class Purger:
             rows = c.execute(
                 f"SELECT seq, size_bytes FROM samples WHERE {where} ORDER BY seq LIMIT ?", (*args, BATCH_ROWS)
             ).fetchall()
-            seqs, total = [], 0
+            seqs: list[int] = []
+            total = 0
             for r in rows:
                 if seqs and total + r["size_bytes"] > BATCH_BYTES:
                     break
