@@ -42,4 +42,5 @@ def fake_quant_act(a: Tensor, bits: int) -> Tensor:
     qmax = 2 ** (bits - 1) - 1
     absmax = a.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
     scale = absmax / qmax
-    return torch.round(a / scale).clamp_(-qmax, qmax) * scale
+    out: Tensor = torch.round(a / scale).clamp_(-qmax, qmax) * scale
+    return out

@@ -28,7 +28,7 @@ class FrozenMatmul(torch.autograd.Function):
         ctx.queue = queue or queue_for(frozen)
         ctx.in_shape = x.shape
         x2 = _flat(x, frozen.in_features)
-        y = ctx.queue.submit(frozen.forward, x2).result()
+        y: Tensor = ctx.queue.submit(frozen.forward, x2).result()
         return y.reshape(*x.shape[:-1], frozen.out_features)
 
     @staticmethod
@@ -131,10 +131,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         q = self.queue
         if self.rank == 0:
-            return FrozenMatmul.apply(x, self.frozen, q)
-        return _LoRAFrozenFn.apply(
+            y: Tensor = FrozenMatmul.apply(x, self.frozen, q)  # type: ignore[no-untyped-call]  # torch's apply
+            return y
+        out: Tensor = _LoRAFrozenFn.apply(  # type: ignore[no-untyped-call]  # torch's apply is unannotated
             x, self.lora_A, self.lora_B, self.frozen, q, self.scaling, self.dropout, self.training
         )
+        return out
 
     def extra_repr(self) -> str:
         f = self.frozen
