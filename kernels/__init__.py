@@ -1,6 +1,6 @@
 """lorad compute kernels: frozen linears on NPU/CPU backends, LoRA ops, precision planning.
 
-Overview (DESIGN.md §2, notes/qnn_htp.md):
+Overview (docs/design.md §2, docs/qnn_htp.md):
 
 - ``make_frozen_linear(W, b, backend=..., precision=...)`` returns a ``FrozenLinear``: ``forward(x) = x·Wᵀ + b`` and
   ``input_grad(dy) = dy·W`` on one of ``BACKENDS``; no weight gradient is ever computed.

@@ -8,12 +8,12 @@ from onnx import TensorProto, helper
 
 from lorad.kernels._onnx import init, model_bytes, value
 
-# Activation grids after per-call, per-row rescaling to [-1, 1] (notes §2: static scales + per-call rescale).
+# Activation grids after per-call, per-row rescaling to [-1, 1] (docs/qnn_htp.md §2: static scales + per-call rescale).
 ACT_GRID = {16: (np.uint16, 32768, 1.0 / 32767), 8: (np.uint8, 128, 1.0 / 127)}
 
 
 def fp16_dynamic_weight(out_f: int, in_f: int, t: int, has_bias: bool, direction: str) -> bytes:
-    """FP16 graph with the weight (and bias) as graph inputs, the weight in the tall layout (notes §1: a wide
+    """FP16 graph with the weight (and bias) as graph inputs, the weight in the tall layout (docs/qnn_htp.md §1: a wide
     dynamic-B MatMul prepares for ~15 s; ``[max(K,N), min(K,N)]`` prepares in ≤0.2 s).
 
     out >= in: ``W`` is nn.Linear [out, in]: fwd ``Gemm(x, W, transB=1)``, bwd ``MatMul(dy, W)``.
@@ -42,7 +42,7 @@ def fp16_static_weight(w_math: np.ndarray, t: int, bias: np.ndarray | None, dire
     """FP16 graph with the weight as one initializer ``W`` [in, out] (math layout), one direction per graph.
 
     fwd ``MatMul(x, W)`` (+ bias) -> QNN FullyConnected; bwd ``Gemm(dy, W, transB=1)``. Separate graphs, so the
-    Gemm transB=0/1 shared-initializer bug (notes §1) cannot arise; QNN then holds one copy per graph.
+    Gemm transB=0/1 shared-initializer bug (docs/qnn_htp.md §1) cannot arise; QNN then holds one copy per graph.
     """
     in_f, out_f = w_math.shape
     if direction == "fwd":
@@ -64,7 +64,7 @@ def _int_weight(name: str, q: np.ndarray, bits: int) -> onnx.TensorProto:
 
 
 def _zero_point(name: str, n: int, bits: int) -> onnx.TensorProto:
-    # Always explicit: INT4 per-channel DQ without a zero point is silently wrong on HTP (notes §2).
+    # Always explicit: INT4 per-channel DQ without a zero point is silently wrong on HTP (docs/qnn_htp.md §2).
     if bits == 8:
         return init(name, np.zeros(n, np.int8))
     return helper.make_tensor(name, TensorProto.INT4, [n], [0] * n)
@@ -109,7 +109,7 @@ def qdq_static(  # noqa: PLR0917 (all seven are needed; a config object would on
 
 
 def audit_graph(model: bytes | onnx.ModelProto) -> list[str]:
-    """Problems that make QNN HTP silently wrong or slow (notes §1–3); empty list = clean.
+    """Problems that make QNN HTP silently wrong or slow (docs/qnn_htp.md §1–3); empty list = clean.
 
     Checks: (1) no initializer or input feeds two MatMul/Gemm nodes (the transB=0/1 shared-tensor bug),
     (2) every INT4 DequantizeLinear has an explicit zero point, (3) all graph inputs/outputs have static shapes.

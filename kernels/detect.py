@@ -15,7 +15,7 @@ from lorad.kernels.frozen import BACKENDS
 
 log = structlog.get_logger(__name__)
 
-# QNN SoC defaults for the x86 HTP simulator (notes/qnn_htp.md §0: "60"/"73" measured; perf options are no-ops).
+# QNN SoC defaults for the x86 HTP simulator (docs/qnn_htp.md §0: "60"/"73" measured; perf options are no-ops).
 SIM_SOC_MODEL = "60"
 SIM_HTP_ARCH = "73"
 # /sys/devices/soc0/soc_id -> (QNN soc_model, htp_arch) for Snapdragon parts we know; override with

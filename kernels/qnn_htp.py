@@ -1,10 +1,10 @@
 """QNN HTP backend (onnxruntime-qnn plugin EP): static token buckets, FP16 or QDQ graphs, EP-context disk cache.
 
-Forms (notes/qnn_htp.md §1; measured choice in bench/kernels.py, recorded in ``FORM_CHOICE``):
+Forms (docs/qnn_htp.md §1; measured choice in bench/kernels.py, recorded in ``FORM_CHOICE``):
 - ``dynamic`` (default for fp16): the FP16 weight is a graph input in the tall layout; one host copy serves both
   directions and all buckets, QNN graphs hold no weight. Same simulator run time as static.
 - ``static``: weights as initializers, one graph per direction and bucket, so QNN holds one copy per graph.
-  Quantized precisions (w8a16, w8a8, w4a16) always use it: only full-QDQ graphs store int weights (notes §2).
+  Quantized precisions (w8a16, w8a8, w4a16) always use it: only full-QDQ graphs store int weights (docs/qnn_htp.md §2).
 Every session sets ``session.disable_cpu_ep_fallback=1``; every graph passes ``audit_graph`` before it is built.
 """
 
@@ -76,7 +76,7 @@ _POOL_LOCK = threading.Lock()
 
 def pooled_session(model: bytes, cache_path: Path | None) -> tuple[ort.InferenceSession, str]:
     """One session per distinct weight-free graph, shared by every layer of that shape (each QNN session costs
-    ~23 MB RSS, notes §6, so 200+ per-layer sessions would cost GBs)."""
+    ~23 MB RSS, docs/qnn_htp.md §6, so 200+ per-layer sessions would cost GBs)."""
     # The SoC options and the cache file are part of the key: a session compiled for another target, or one whose
     # EP-context file lives in another cache directory, is not reused.
     key = "|".join((hashlib.sha256(model).hexdigest(), *_soc(), str(cache_path)))
@@ -270,7 +270,7 @@ class QnnFrozenLinear:
     # ---- public ------------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        # Host copies + weight bytes inside QNN static graphs (≈ .bin size per graph, notes §1).
+        # Host copies + weight bytes inside QNN static graphs (≈ .bin size per graph, docs/qnn_htp.md §1).
         host = sum(a.nbytes for a in self._host.values())
         small = sum(s.numel() * 4 for s in self._chan_scale.values())
         bias = 0 if self._bias is None else self._bias.numel() * 4
