@@ -17,7 +17,6 @@ from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.scheduler.windows import WindowScheduler
 from lorad.server.services import Services
-from lorad.server.store.db import page_size
 from lorad.v1 import jobs_pb2, jobs_pb2_grpc
 
 WATCH_PAGE = 100  # events read per query while catching up: a long history streams in pages, never all at once
@@ -128,7 +127,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         job_id = v.check_server_id("job_id", request.job_id)
         after = v.check_int64("after_event_id", request.after_event_id)
         events, more = await asyncio.to_thread(
-            self.s.manager.events, app_id, job_id, after, page_size(request.page_size)
+            self.s.manager.events, app_id, job_id, after, request.page_size  # the manager applies the paging rule
         )
         return jobs_pb2.ListJobEventsResponse(events=[cv.event_pb(e) for e in events], has_more=more)
 
