@@ -129,8 +129,8 @@ stage_model() {
         rm -rf "$model" "$CACHE/tiny-build"
         mkdir -p "$CACHE/tiny-build"
         # A 2-layer random Llama (hidden 64, vocab 320) from the tests' own builder; the files are arch-independent.
-        (cd "$REPO/tests/unit/models" && "$HOST_PY" -c \
-            "import sys; from pathlib import Path; from tiny_models import save_tiny_hf; \
+        (cd "$REPO" && "$HOST_PY" -c \
+            "import sys; from pathlib import Path; from tests.fixtures.tiny_hf import save_tiny_hf; \
              print(save_tiny_hf(Path(sys.argv[1]), 'llama'))" "$CACHE/tiny-build")
         mv "$CACHE/tiny-build/llama" "$model"
         touch "$model/.ok"
@@ -166,7 +166,7 @@ STAGES=(
     "host 600 stop"
     "root 1200 stop"
     "wheel 300 stop"
-    "install 1500 stop"
+    "install 3600 stop"
     "services 60 stop"
     "model 300 stop"
     "e2e 900 go"
