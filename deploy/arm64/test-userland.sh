@@ -42,6 +42,8 @@ enter() {
     mount --make-rprivate /
     mount -t proc proc "$ROOT/proc"
     mount --rbind /dev "$ROOT/dev"
+    # proot-distro binds /sys too; without it cpuinfo (torch, onnxruntime) cannot count the cores.
+    mount -t sysfs -o ro sysfs "$ROOT/sys"
     mkdir -p "$CACHE/pip" "$ROOT/root/.cache/pip" "$ROOT/tmp/lorad-dist"
     mount --bind "$CACHE/pip" "$ROOT/root/.cache/pip"
     mount --bind "$DIST" "$ROOT/tmp/lorad-dist"
@@ -98,7 +100,12 @@ stage_wheel() {
     rm -rf "$DIST"
     mkdir -p "$DIST"
     # lorad itself comes from this checkout (it is not on the registry); every dependency comes from PyPI.
-    (cd "$REPO" && "$HOST_PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$DIST" .)
+    # Built from a copy of the tracked files: setuptools' build/ in the checkout can hold modules that were removed.
+    local src="$CACHE/src"
+    rm -rf "$src"
+    mkdir -p "$src"
+    git -C "$REPO" ls-files -z | tar -C "$REPO" --null -T - -cf - | tar -C "$src" -xf -
+    (cd "$src" && "$HOST_PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$DIST" .)
     ls "$DIST"/lorad-*.whl > /dev/null
 }
 
@@ -146,7 +153,7 @@ stage_e2e() {
 
 stage_bf16() {
     install -m 0644 "$HERE/ort_bf16_check.py" "$ROOT/tmp/ort_bf16_check.py"
-    nice -n 10 "$0" --in-root /opt/lorad/venv/bin/python /tmp/ort_bf16_check.py
+    nice -n 10 "$0" --in-root /opt/lorad/venv/bin/python -u /tmp/ort_bf16_check.py
 }
 
 stage_wheels_report() {
