@@ -49,6 +49,8 @@ from lorad.v1 import (
 
 log = structlog.get_logger(__name__)
 
+TCP_ADDRESS_FILE = "tcp.address"
+
 SERVICE_NAMES = tuple(
     m.DESCRIPTOR.services_by_name[n].full_name
     for m, n in (
@@ -79,6 +81,11 @@ class Daemon:
     def socket_path(self) -> Path:
         """The Unix socket."""
         return self.cfg.socket_path
+
+    @property
+    def tcp_address_file(self) -> Path:
+        """``host:port`` of the TCP listener while it runs (``tcp.address`` next to the socket)."""
+        return self.cfg.socket_path.with_name(TCP_ADDRESS_FILE)
 
     async def start(self) -> None:
         """Locks the data dir, opens the store, finishes interrupted deletions, recovers jobs, starts serving.
@@ -138,6 +145,11 @@ class Daemon:
             self.tcp_port = server.add_insecure_port(self.cfg.server.tcp_address)
         await server.start()
         sock.chmod(0o600)
+        if self.tcp_port is not None:
+            # The bound address for owner tools and docs/api.md ("port 0 = any" is only known after binding); in
+            # the owner-only run directory, next to the socket, removed on stop.
+            host = self.cfg.server.tcp_address.rpartition(":")[0]
+            self.tcp_address_file.write_text(f"{host}:{self.tcp_port}\n")
         self.serving = True
         for name in ("", *SERVICE_NAMES):
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
@@ -169,6 +181,7 @@ class Daemon:
             s.db.close()
         if self.socket_path.exists():
             self.socket_path.unlink()
+        self.tcp_address_file.unlink(missing_ok=True)
         self.lock.release()
         log.info("daemon_stopped")
 

@@ -64,3 +64,12 @@ def test_health_and_reflection_without_token(make_daemon) -> None:
     resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
     assert {"lorad.v1.JobService", "lorad.v1.DataService", "grpc.health.v1.Health"} <= names
+
+
+def test_tcp_address_file_names_the_bound_port_while_serving(make_daemon) -> None:
+    d = make_daemon(tcp=True)
+    f = d.daemon.tcp_address_file
+    assert f.read_text() == f"127.0.0.1:{d.daemon.tcp_port}\n" and d.daemon.tcp_port > 0
+    assert f.parent == d.daemon.socket_path.parent, "owner-only run directory, next to the socket"
+    d.stop()
+    assert not f.exists()
