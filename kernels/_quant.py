@@ -5,21 +5,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "w8a16", "w8a8", "w4a16")
+from lorad.kernels.capabilities import PRECISIONS, capability
+
+__all__ = ["ACT_BITS", "BYTES_PER_WEIGHT", "PRECISIONS", "WEIGHT_BITS", "check_precision"]
 
 # Bits of the weight and activation integer grids per quantized precision.
 WEIGHT_BITS = {"w8a16": 8, "w8a8": 8, "w4a16": 4}
 ACT_BITS = {"w8a16": 16, "w8a8": 8, "w4a16": 16}
 # Relative cost of one weight element in bytes, used by the planner's byte cost model.
-BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "w8a16": 1.0, "w8a8": 1.0, "w4a16": 0.5}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "w8a16": 1.0, "w8a8": 1.0, "w4a16": 0.5}
 
 
-def check_precision(backend: str, precision: str, supported: tuple[str, ...]) -> None:
-    """Raise ValueError naming backend and precision unless ``precision`` is in ``supported``."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r} for backend {backend!r}; choose one of {PRECISIONS}")
-    if precision not in supported:
-        raise ValueError(f"backend {backend!r} does not support precision {precision!r}; it supports {supported}")
+def check_precision(backend: str, precision: str) -> None:
+    """Raise ValueError naming backend and precision unless the capability table lets ``backend`` run it."""
+    capability(backend).check(precision)
 
 
 def quantize_weight(weight: Tensor, bits: int) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,9 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-BACKENDS: tuple[str, ...] = ("torch", "ort-cpu", "qnn-htp")
+from lorad.kernels.capabilities import BACKENDS
+
+__all__ = ["BACKENDS", "FrozenLinear", "make_frozen_linear", "memory_report"]
 
 
 @runtime_checkable

@@ -63,7 +63,10 @@ class _LoRAFrozenFn(torch.autograd.Function):
         if dropout > 0.0 and training:
             mask = torch.empty_like(x2).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
             xd = x2 * mask
-        h = xd @ lora_a.t()  # [T, r]
+        # Thin products are written so the long dimension is the GEMM's N: torch's fp32 GEMM (MKL) runs [T, K]·[K, r]
+        # with K = 576..1536, r = 8 at 4-20x the time of the transposed [r, K]·[K, T] (0.88 vs 0.25 ms at
+        # K = 1536, 1 thread, Zen 5); the result is the same matrix, returned as a transposed view.
+        h = (lora_a @ xd.t()).t()  # [T, r]
         y = fut.result()
         y.addmm_(h, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(xd, h, lora_a, lora_b, mask)
@@ -78,8 +81,8 @@ class _LoRAFrozenFn(torch.autograd.Function):
         dy2 = _flat(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]
         fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x else None
-        g = dy2 @ lora_b  # [T, r]
-        d_b = (dy2.t() @ h).mul_(s) if ctx.needs_input_grad[2] else None
+        g = (lora_b.t() @ dy2.t()).t()  # [T, r], thin-product layout as in forward
+        d_b = (h.t() @ dy2).t().mul_(s) if ctx.needs_input_grad[2] else None
         d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
         dx = None
         if fut is not None:

@@ -35,8 +35,9 @@ from torch import Tensor
 
 from lorad.kernels._onnx import MS_DOMAIN, init, model_bytes, value
 from lorad.kernels._quant import check_precision, quantize_weight
+from lorad.kernels.capabilities import CAPABILITIES
 
-SUPPORTED = ("fp32", "w8a8")
+SUPPORTED = CAPABILITIES["ort-cpu"].precisions
 
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
@@ -203,8 +204,8 @@ class OrtCpuFrozenLinear:
         name: str,
         act_quant: str = "row",
     ) -> None:
-        check_precision("ort-cpu", precision, SUPPORTED)
-        check_precision("ort-cpu", precision_bwd, SUPPORTED)
+        check_precision("ort-cpu", precision)
+        check_precision("ort-cpu", precision_bwd)
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.name = name
         self.precision_fwd, self.precision_bwd = precision, precision_bwd

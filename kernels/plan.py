@@ -12,9 +12,9 @@ from lorad.kernels._quant import BYTES_PER_WEIGHT
 
 PLAN_VERSION = 2  # 2: fast (local) mode fields; version-1 plans still load
 # Bumped whenever a change in how plans are measured or chosen would choose differently (part of cache keys).
-PLANNER_VERSION = "2.0"
+PLANNER_VERSION = "3.0"  # 3.0: measured per-shape cost model, bf16, fixed calibration text + seeded adapter
 # Weight storage format per precision: two precisions with one format share one stored copy.
-_FORMAT = {"fp32": "fp32", "fp16": "fp16", "w8a16": "int8", "w8a8": "int8", "w4a16": "int4"}
+_FORMAT = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "w8a16": "int8", "w8a8": "int8", "w4a16": "int4"}
 
 FAST_NOTE = (
     "fast mode: cells are LOCAL drifts from one reference fwd+bwd with each layer's input x and output gradient "
@@ -97,6 +97,7 @@ class PrecisionPlan:
     history: list[dict[str, float]] = field(default_factory=list)  # fast: one entry per verify run
     seconds: float = float("nan")  # wall time of planning
     planner_version: str = PLANNER_VERSION
+    costs: dict[str, float] = field(default_factory=dict)  # cost="measured": "<out>x<in>|<prec>|<dir>" -> ms per call
 
     def precisions(self, name: str) -> tuple[str, str]:
         """(precision_fwd, precision_bwd) for layer ``name``; the reference for unknown layers."""
@@ -138,6 +139,7 @@ class PrecisionPlan:
             "calibration": _json_floats(dict(self.calibration)),
             "history": [_json_floats(dict(h)) for h in self.history],
             "seconds": _json_float(self.seconds),
+            "costs": _json_floats(dict(self.costs)),
             "layers": [
                 {
                     "name": lp.name,
@@ -174,7 +176,7 @@ class PrecisionPlan:
                 str(d["backend"]), str(d["reference"]), float(d["budget"]), str(d["cost_model"]), layers,
                 float(_from_json(d["estimated_error"])), _floats(d.get("verified", {})), str(d.get("mode", "exact")),
                 _floats(d.get("calibration", {})), [_floats(h) for h in d.get("history", [])],
-                float(_from_json(d.get("seconds"))), str(d.get("planner_version", "1")),
+                float(_from_json(d.get("seconds"))), str(d.get("planner_version", "1")), _floats(d.get("costs", {})),
             )  # fmt: skip
         except (KeyError, TypeError, IndexError, AttributeError) as e:
             raise ValueError(f"malformed precision plan: {type(e).__name__}: {e}") from e
@@ -205,6 +207,10 @@ class PrecisionPlan:
                     cells.append(f"{m.error:9.2e}/{m.cos:6.4f}" if m else f"{'-':>16}")
                 shape = f"{lp.shape[0]}x{lp.shape[1]}"
                 lines.append(f"{lp.name[:32]:<32} {shape:>11} {direction:<3} {chosen:<6} " + " ".join(cells))
+        if self.costs:
+            lines.append(
+                "measured cost per call (ms): " + ", ".join(f"{k}={v:.2f}" for k, v in sorted(self.costs.items()))
+            )
         if self.calibration:
             lines.append("calibration: " + ", ".join(f"{k}={v:.3e}" for k, v in self.calibration.items()))
         for h in self.history:

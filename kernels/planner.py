@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lorad.kernels import _plan_fast as fast
 from lorad.kernels._swap import Site, frozen_sites, set_frozen
+from lorad.kernels.costs import CostTable
 from lorad.kernels.frozen import make_frozen_linear
 from lorad.kernels.lora import LoRALinear
 from lorad.kernels.plan import PLAN_VERSION, PLANNER_VERSION, LayerPlan, Measurement, PrecisionPlan, weight_bytes
@@ -26,6 +27,7 @@ log = structlog.get_logger(__name__)
 
 __all__ = ["PLANNER_VERSION", "PLAN_VERSION", "LayerPlan", "Measurement", "PrecisionPlan", "plan_precision"]
 MODES = ("fast", "exact")
+COSTS = ("bytes", "time", "measured")
 
 
 def _flat_grads(model: nn.Module, attr: str) -> Tensor:
@@ -83,6 +85,8 @@ def plan_precision(
     mode: str = "fast",
     max_backoff: int = 4,
     exact_share: float = 0.15,
+    costs: CostTable | None = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> PrecisionPlan:
     """Choose per-layer forward/backward precisions by how much they move the LoRA gradients.
 
@@ -114,7 +118,8 @@ def plan_precision(
         budget: exact: allowed sum over (layer, direction) of the measured error; fast: allowed whole-plan
             relative error of dA/dB (the verified number).
         max_layer_error: a single (layer, direction) above this error is never lowered.
-        cost: "bytes" (weight bytes stored) or "time" (measured fwd+bwd ms of the frozen product).
+        cost: "bytes" (weight bytes stored), "time" (fwd+bwd ms of each layer timed on the captured rows) or
+            "measured" (ms per call from ``costs``, a per-shape table measured once per machine).
         calib_tokens: rows used for the time cost model (exact mode; fast mode times the captured rows).
         verify: exact mode: run the chosen plan once and record its drift (fast mode always verifies).
         mode: "fast" or "exact".
@@ -122,6 +127,8 @@ def plan_precision(
         exact_share: fast mode: a layer holding at least this share of the planned weights is measured globally
             (one fwd+bwd per candidate and direction, as in exact mode): on SmolLM2 the lm_head's local drift
             (2.4% of logits, 8.7% of dX) hides a 54-57% drift of all dA/dB, as softmax amplifies logit errors.
+        costs: the per-shape cost table (required for ``cost="measured"``, see ``lorad.kernels.costs.measure``).
+        on_progress: called with the fraction of planning done (0..1) after each pass (fast mode).
 
     Returns:
         The PrecisionPlan (the model is left with its original frozen linears and no gradients).
@@ -129,8 +136,10 @@ def plan_precision(
     Raises:
         ValueError: unknown cost model or mode, or a name in ``weights`` that is not a frozen linear of ``model``.
     """
-    if cost not in ("bytes", "time"):
-        raise ValueError(f"cost must be 'bytes' or 'time', got {cost!r}")
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
+    if cost == "measured" and costs is None:
+        raise ValueError("cost='measured' needs a cost table (costs=lorad.kernels.costs.measure(...))")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t_start = time.perf_counter()
@@ -147,7 +156,8 @@ def plan_precision(
         run = _plan_fast if mode == "fast" else _plan_exact
         plan = run(model, loss_fn, sites, build, backend=backend, reference=reference, candidates=candidates,
                    budget=budget, max_layer_error=max_layer_error, cost=cost, calib_tokens=calib_tokens,
-                   verify=verify, max_backoff=max_backoff, exact_share=exact_share)  # fmt: skip
+                   verify=verify, max_backoff=max_backoff, exact_share=exact_share, costs=costs,
+                   on_progress=on_progress or (lambda _f: None))  # fmt: skip
     finally:
         for fl, s in sites.values():
             set_frozen(s, fl)
@@ -163,9 +173,13 @@ def plan_precision(
 def _plan_exact(
     model: nn.Module, loss_fn: Callable[[], Tensor], sites: Mapping[str, tuple[Any, list[Site]]], build: Any,
     *, backend: str, reference: str, candidates: Sequence[str], budget: float, max_layer_error: float, cost: str,
-    calib_tokens: int, verify: bool, max_backoff: int, exact_share: float,
+    calib_tokens: int, verify: bool, max_backoff: int, exact_share: float, costs: CostTable | None,
+    on_progress: Callable[[float], None],
 ) -> PrecisionPlan:  # fmt: skip
-    del max_backoff, exact_share
+    del max_backoff, exact_share, on_progress
+    if cost == "measured":
+        raise ValueError("exact mode times layers itself: use cost='time' (or mode='fast' with cost='measured')")
+    del costs
     ref_frozen = {n: build(n, reference, reference) for n in sites}
     for n, (_, s) in sites.items():
         set_frozen(s, ref_frozen[n])
@@ -215,7 +229,8 @@ def _plan_exact(
 def _plan_fast(
     model: nn.Module, loss_fn: Callable[[], Tensor], sites: Mapping[str, tuple[Any, list[Site]]], build: Any,
     *, backend: str, reference: str, candidates: Sequence[str], budget: float, max_layer_error: float, cost: str,
-    calib_tokens: int, verify: bool, max_backoff: int, exact_share: float,
+    calib_tokens: int, verify: bool, max_backoff: int, exact_share: float, costs: CostTable | None,
+    on_progress: Callable[[float], None],
 ) -> PrecisionPlan:  # fmt: skip
     del calib_tokens, verify  # fast mode times the captured rows and always verifies
     t0 = time.perf_counter()
@@ -232,18 +247,32 @@ def _plan_fast(
     for sl in slots.values():
         sl.recording = False
     t2 = time.perf_counter()
+    on_progress(0.3)
     impls: dict[tuple[str, str], Any] = {}
     plans: dict[str, LayerPlan] = {}
     ref_time: dict[str, float] = {}
     for n, sl in slots.items():
         x, dy = sl.captured()
         lp = LayerPlan(n, (sl.out_features, sl.in_features), reference, reference)
+        shape = (sl.out_features, sl.in_features)
         if cost == "time":
             ref_time[f"{n}|fwd"] = fast.time_ms(sl.ref.forward, x) if x.numel() else 0.0
             ref_time[f"{n}|bwd"] = fast.time_ms(sl.ref.input_grad, dy) if dy.numel() else 0.0
+        elif cost == "measured" and costs is not None:
+            ref_time[f"{n}|fwd"] = costs.get(shape, reference, "fwd")
+            ref_time[f"{n}|bwd"] = costs.get(shape, reference, "bwd")
         for p in candidates:
             if p == reference:
                 continue
+            if (
+                cost == "measured"
+                and costs is not None
+                and (
+                    costs.get(shape, p, "fwd") + costs.get(shape, p, "bwd")
+                    >= ref_time[f"{n}|fwd"] + ref_time[f"{n}|bwd"]
+                )
+            ):
+                continue  # never assumed faster than it measures
             try:
                 cand = build(n, p, p)  # one object serves both directions' measurements
             except ValueError:
@@ -253,11 +282,14 @@ def _plan_fast(
             nan = float("nan")
             tf = fast.time_ms(cand.forward, x) if cost == "time" and x.numel() else nan
             tb = fast.time_ms(cand.input_grad, dy) if cost == "time" and dy.numel() else nan
+            if cost == "measured" and costs is not None:
+                tf, tb = costs.get(shape, p, "fwd"), costs.get(shape, p, "bwd")
             lp.measurements.append(Measurement("fwd", p, nan, nan, nan, nan, nan, nan, tf, cy, ry, True))
             lp.measurements.append(Measurement("bwd", p, nan, nan, cx, nan, nan, rx, tb, local=True))
         sl.xs, sl.dys = [], []
         plans[n] = lp
     log.info("precision_local_measured", layers=len(plans), candidates=len(impls))
+    on_progress(0.5)
 
     def verify_run(choice: Mapping[str, tuple[str, str]]) -> dict[str, float]:
         fast.apply_choice(slots, impls, choice)
@@ -299,8 +331,10 @@ def _plan_fast(
             sum_all += sq(best) if best else 0.0
         cheapest[n] = (pick[0], pick[1])
     t3 = time.perf_counter()
+    on_progress(0.6)
     calib = verify_run(cheapest)
     t4 = time.perf_counter()
+    on_progress(0.8)
     k = calib["error"] / math.sqrt(sum_all) if sum_all > 0 else 0.0
     k_box[0] = k if k > 0 else 1.0
     target_sq = (budget / k) ** 2 if k > 0 else math.inf
@@ -364,7 +398,7 @@ def _time_ms(fn: Callable[[Tensor], Tensor], a: Tensor, repeats: int = 3) -> flo
 
 
 def _cost_of(lp: LayerPlan, m: Measurement, cost: str, ref_time: Mapping[str, float]) -> float:
-    if cost == "time":
+    if cost in ("time", "measured"):
         return m.time_ms
     pf, pb = (m.precision, lp.precision_bwd) if m.direction == "fwd" else (lp.precision_fwd, m.precision)
     return float(weight_bytes(lp.shape, pf, pb))

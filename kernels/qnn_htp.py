@@ -25,11 +25,12 @@ from torch import Tensor
 
 from lorad.kernels._qnn_graphs import audit_graph, fp16_dynamic_weight, fp16_static_weight, qdq_static
 from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, quantize_weight
+from lorad.kernels.capabilities import CAPABILITIES
 from lorad.kernels.detect import _soc, qnn_ep_devices
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED = ("fp16", "w8a16", "w8a8", "w4a16")
+SUPPORTED = CAPABILITIES["qnn-htp"].precisions
 FORMS = ("dynamic", "static")
 # Chosen by measurement (bench/kernels.py --htp, SmolLM2 shapes at T=256 on the x86 simulator): run times are equal
 # within noise (e.g. gate 1536x576 fwd 354 vs 272 ms, up 550 vs 779 ms, down 276 vs 256 ms, dynamic vs static), but
@@ -149,8 +150,8 @@ class QnnFrozenLinear:
         buckets: tuple[int, ...],
         form: str | None = None,
     ) -> None:
-        check_precision("qnn-htp", precision, SUPPORTED)
-        check_precision("qnn-htp", precision_bwd, SUPPORTED)
+        check_precision("qnn-htp", precision)
+        check_precision("qnn-htp", precision_bwd)
         reason = htp_unavailable_reason()
         if reason:
             raise RuntimeError(f"qnn-htp backend unavailable: {reason}")

@@ -1,4 +1,4 @@
-"""Reference backend in plain torch: exact fp32, and fp16 / w8 / w4 emulated by fake-quant on any host."""
+"""Torch backend: exact fp32 reference, native bf16 (oneDNN) on CPUs with bf16 instructions, the rest emulated."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_weight
+from lorad.kernels.capabilities import CAPABILITIES
 
-SUPPORTED = ("fp32", "fp16", "w8a16", "w8a8", "w4a16")
+SUPPORTED = CAPABILITIES["torch"].precisions
 
 
 class TorchFrozenLinear:
@@ -21,8 +22,8 @@ class TorchFrozenLinear:
     runs_on_cpu = True  # calls run inline on the caller's thread (see queue.queue_for)
 
     def __init__(self, weight: Tensor, bias: Tensor | None, *, precision: str, precision_bwd: str, name: str) -> None:
-        check_precision("torch", precision, SUPPORTED)
-        check_precision("torch", precision_bwd, SUPPORTED)
+        check_precision("torch", precision)
+        check_precision("torch", precision_bwd)
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.name = name
         self.precision_fwd = precision
@@ -39,17 +40,25 @@ class TorchFrozenLinear:
 
     def _dense(self, precision: str) -> Tensor:
         w, s = self._store[precision]
+        if precision == "bf16":
+            return w
         if s is None:
             return w.float() if w.dtype != torch.float32 else w
         return w.float() * s[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.precision_fwd == "bf16":
+            # bf16 operands, fp32 accumulation inside oneDNN, a bf16 result widened once; the bias is added in fp32.
+            y = torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t()).float()
+            return y if self.bias is None else y.add_(self.bias)
         x = _act(x.float(), self.precision_fwd)
         w = self._dense(self.precision_fwd)
         y = x @ w.t() if self.bias is None else torch.addmm(self.bias, x, w.t())
         return y
 
     def input_grad(self, dy: Tensor) -> Tensor:
+        if self.precision_bwd == "bf16":
+            return torch.mm(dy.to(torch.bfloat16), self._store["bf16"][0]).float()
         dy = _act(dy.float(), self.precision_bwd)
         return dy @ self._dense(self.precision_bwd)
 
@@ -58,8 +67,8 @@ def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:
     w = weight.detach()
     if precision == "fp32":
         return w.float().contiguous().clone(), None
-    if precision == "fp16":
-        return w.to(torch.float16).contiguous(), None
+    if precision in ("fp16", "bf16"):
+        return w.to(torch.float16 if precision == "fp16" else torch.bfloat16).contiguous(), None
     q, s = quantize_weight(w, WEIGHT_BITS[precision])
     return q, s
 
@@ -67,6 +76,8 @@ def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:
 def _act(a: Tensor, precision: str) -> Tensor:
     if precision == "fp32":
         return a
+    if precision == "bf16":
+        return a.to(torch.bfloat16).float()
     if precision == "fp16":
         return a.to(torch.float16).float()
     return fake_quant_act(a, ACT_BITS[precision])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
 import platform
 
 import pytest
 
 from lorad.kernels import BACKENDS, BackendInfo, detect_backend
+from lorad.kernels.capabilities import capability, cpu_bf16
 
 
 def test_auto_picks_a_backend_and_says_why() -> None:
@@ -19,9 +21,27 @@ def test_auto_picks_a_backend_and_says_why() -> None:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-only rule")
 def test_x86_simulator_is_not_auto_selected() -> None:
     info = detect_backend()
-    assert info.name == "ort-cpu"
+    # Without an NPU: torch bf16 where the CPU multiplies bf16 natively, else ORT's CPU EP; never the simulator.
+    assert info.name == ("torch" if cpu_bf16().native else "ort-cpu")
     if info.available["qnn-htp"].startswith("simulator"):
         assert "simulator" in info.reason
+    if cpu_bf16().native:
+        assert "bf16" in info.reason
+
+
+def test_cpu_bf16_detection_reads_this_cpu() -> None:
+    flags = pathlib.Path("/proc/cpuinfo").read_text()
+    native = any(f" {f}" in flags for f in ("avx512_bf16", "amx_bf16")) or " bf16" in flags
+    assert cpu_bf16().native == native and cpu_bf16().reason
+
+
+def test_planner_menu_offers_only_real_precisions() -> None:
+    assert "w8a8" not in capability("torch").planner_menu()  # emulated on torch: never planned
+    assert capability("torch").planner_menu() == (("bf16",) if cpu_bf16().native else ())
+    assert capability("ort-cpu").planner_menu() == ("w8a8",)
+    assert capability("qnn-htp").reference == "fp16"
+    with pytest.raises(ValueError, match="tpu"):
+        capability("tpu")
 
 
 def test_override_is_honoured_or_falls_back_with_reason() -> None:

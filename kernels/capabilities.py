@@ -1,0 +1,145 @@
+"""The one table of what each backend can run: precisions per direction, dtypes, shapes, where it runs, what plans.
+
+Everything that needs a backend fact reads it here: the backends' own precision checks, CreateJob validation, the
+precision planner's menu, ``lorad status`` and the docs (a test renders the README table from it).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# Every precision name lorad knows, in the order menus are shown. "bf16" keeps one bfloat16 copy of W and
+# accumulates in fp32 (oneDNN on x86 with AVX512-BF16/AMX, ARM cores with BF16); the w* names are integer weight
+# grids with per-channel scales and per-row activation scales.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "w8a16", "w8a8", "w4a16")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What one backend runs.
+
+    Attributes:
+        name: backend name (``torch``, ``ort-cpu``, ``qnn-htp``).
+        precisions: precisions accepted for the forward and for the input gradient (the same set both ways).
+        emulated: accepted precisions that are only emulated (fake-quant, no speed or memory gain); the planner never
+            offers them, validation accepts them (tests and the reference use them).
+        reference: the precision the planner measures against and a job loads at before planning.
+        static_shapes: pads token counts to buckets (True) or takes any row count.
+        runs_on_cpu: its products run on the host CPU (no queue hand-off, torch threads shared).
+        weight_dtypes: storage dtype per accepted precision.
+        summary: one line for ``lorad status`` and the docs.
+    """
+
+    name: str
+    precisions: tuple[str, ...]
+    emulated: tuple[str, ...]
+    reference: str
+    static_shapes: bool
+    runs_on_cpu: bool
+    weight_dtypes: dict[str, str]
+    summary: str
+
+    def check(self, precision: str) -> None:
+        """Raise ValueError naming backend and precision unless this backend accepts ``precision``."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r} for backend {self.name!r}; choose one of {PRECISIONS}")
+        if precision not in self.precisions:
+            raise ValueError(
+                f"backend {self.name!r} does not support precision {precision!r}; it supports {self.precisions}"
+            )
+
+    def planner_menu(self) -> tuple[str, ...]:
+        """Precisions "auto" may choose on this machine besides the reference: real (not emulated) ones the hardware
+        runs natively. The planner still prices each by measurement and drops any that is not faster."""
+        menu = [p for p in self.precisions if p != self.reference and p not in self.emulated]
+        if "bf16" in menu and not cpu_bf16().native:
+            menu.remove("bf16")
+        return tuple(menu)
+
+
+CAPABILITIES: dict[str, Capability] = {
+    "torch": Capability(
+        name="torch",
+        precisions=("fp32", "bf16", "fp16", "w8a16", "w8a8", "w4a16"),
+        emulated=("fp16", "w8a16", "w8a8", "w4a16"),
+        reference="fp32",
+        static_shapes=False,
+        runs_on_cpu=True,
+        weight_dtypes={
+            "fp32": "float32",
+            "bf16": "bfloat16",
+            "fp16": "float16",
+            "w8a16": "int8",
+            "w8a8": "int8",
+            "w4a16": "int8",
+        },
+        summary="PyTorch on the CPU: fp32 reference; bf16 native (oneDNN) where the CPU has bf16 instructions",
+    ),
+    "ort-cpu": Capability(
+        name="ort-cpu",
+        precisions=("fp32", "w8a8"),
+        emulated=(),
+        reference="fp32",
+        static_shapes=False,
+        runs_on_cpu=True,
+        weight_dtypes={"fp32": "float32", "w8a8": "int8"},
+        summary="ONNX Runtime CPU EP: fp32 GEMM and int8 (VNNI) w8a8; one weight copy fed as a graph input",
+    ),
+    "qnn-htp": Capability(
+        name="qnn-htp",
+        precisions=("fp16", "w8a16", "w8a8", "w4a16"),
+        emulated=(),
+        reference="fp16",
+        static_shapes=True,
+        runs_on_cpu=False,
+        weight_dtypes={"fp16": "float16", "w8a16": "int8", "w8a8": "int8", "w4a16": "int4"},
+        summary="Qualcomm Hexagon NPU via onnxruntime-qnn (a simulator on x86_64); token buckets; fp16 and QDQ",
+    ),
+}
+BACKENDS: tuple[str, ...] = tuple(CAPABILITIES)
+
+
+def capability(backend: str) -> Capability:
+    """The capability row of ``backend``.
+
+    Raises:
+        ValueError: unknown backend (the message lists the known ones).
+    """
+    try:
+        return CAPABILITIES[backend]
+    except KeyError:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}") from None
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    """Whether this CPU multiplies bf16 natively, and the evidence."""
+
+    native: bool
+    reason: str
+
+
+@functools.cache
+def cpu_bf16() -> CpuBf16:
+    """Detects native bf16 matmul support once: x86 AVX512-BF16 or AMX-BF16, ARM ``bf16`` (ARMv8.6 BFMMLA).
+
+    Without it torch's bf16 matmul converts in software and is slower than fp32, so bf16 is not offered.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return CpuBf16(False, "cannot read /proc/cpuinfo")
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    machine = platform.machine()
+    for f in ("amx_bf16", "avx512_bf16"):
+        if f in flags:
+            return CpuBf16(True, f"{machine} CPU has {f}")
+    if "bf16" in flags:
+        return CpuBf16(True, f"{machine} CPU has bf16 (BFMMLA)")
+    return CpuBf16(False, f"{machine} CPU lacks bf16 instructions (no avx512_bf16/amx_bf16/bf16 flag)")
