@@ -22,7 +22,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +198,8 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     from safetensors.torch import load_file
 
     from lorad.server.engine.models import LoraConfig
-    from lorad.server.engine.models.loader import load_model
+    from lorad.server.engine.models.loader import load_model, resolve
+    from lorad.server.engine.training.precision import known_plan, plan_job, plans_here
     from lorad.server.engine.training.recipe import resolve_precision, seed_everything
     from lorad.server.engine.training.trainer import Trainer
 
@@ -212,28 +215,34 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     seed_everything(SEED)
     t0 = time.perf_counter()
     lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.0)
-    loaded = load_model(None, cache_root=Path(a.cache), backend=backend, precision=precision, lora=lora)
+    plan_info: dict[str, Any] = {}
+    job = None
+    cache = Path(a.cache)
+    auto = system.startswith("lorad-auto") and plans_here(backend, "auto")
+    with tempfile.TemporaryDirectory() as work:
+        if auto:
+            # The product's "auto" path: a cached plan is built directly; otherwise plan (cold) and re-lower.
+            auto_cfg = replace(cfg, precision="auto")
+            job = known_plan(resolve(None, cache).model_hash, auto_cfg, backend=backend, work_dir=Path(work),
+                             cache_root=cache, resuming=False)  # fmt: skip
+            plan_info["plan_warm"] = job is not None
+        loaded = load_model(None, cache_root=cache, backend=backend, precision=job.plan if job else precision,
+                            lora=lora)  # fmt: skip
+        if auto and job is None:
+            t_plan = time.perf_counter()
+            job = plan_job(loaded, auto_cfg, backend=backend, work_dir=Path(work), cache_root=cache)
+            plan_info["plan_s"] = time.perf_counter() - t_plan
+    if job is not None:
+        counts: dict[str, int] = {}
+        for _n, pf, pb in job.layers():
+            counts[f"{pf}/{pb}"] = counts.get(f"{pf}/{pb}", 0) + 1
+        precision = "plan:" + ",".join(f"{k}x{v}" for k, v in sorted(counts.items()))
+        plan_info["plan"] = job.plan.summary()
+        plan_info["plan_costs_ms"] = job.plan.costs
     loaded.model.load_lora_state_dict(load_file(a.init))
     load_s = time.perf_counter() - t0
     rss_load, peak_load = _rss_mb()
     data, tok = _data(loaded.checkpoint.path, cfg)
-    plan_info: dict[str, Any] = {}
-    if system.startswith("lorad-auto"):
-        # The product's "auto": per-layer precisions from the gradient-sensitivity planner (cached per model).
-        import tempfile
-
-        from lorad.server.engine.training.precision import plan_job, plans_here
-
-        if plans_here(backend, "auto"):
-            t_plan = time.perf_counter()
-            with tempfile.TemporaryDirectory() as work:
-                job = plan_job(loaded, cfg, data, pad_id=tok.eos_id or 0, backend=backend, work_dir=Path(work),
-                               cache_root=Path(a.cache), resuming=False)  # fmt: skip
-            counts: dict[str, int] = {}
-            for _n, pf, pb in job.layers():
-                counts[f"{pf}/{pb}"] = counts.get(f"{pf}/{pb}", 0) + 1
-            precision = "plan:" + ",".join(f"{k}x{v}" for k, v in sorted(counts.items()))
-            plan_info = {"plan_s": time.perf_counter() - t_plan, "plan": job.plan.summary()}
     trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id or 0)
     prof = None
     if a.profile:
@@ -246,7 +255,11 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     cpu: list[float] = []
     last = [time.process_time()]
 
+    first: list[float] = []
+
     def on_progress(_p: Any) -> None:
+        if not first:
+            first.append(time.perf_counter() - t0)  # model load (+ plan lookup or planning) through step 1
         now = time.process_time()
         cpu.append(now - last[0])
         last[0] = now
@@ -272,6 +285,7 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
             "precision": precision,
             "reason": reason,
             "load_s": load_s,
+            "time_to_first_step_s": first[0] if first else None,
             "rss_after_load_mb": rss_load,
             "peak_rss_after_load_mb": peak_load,
             "clip_mode": clip_mode,
@@ -347,6 +361,7 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
             "backend": "transformers+peft",
             "precision": "bf16-autocast" if bf16 else "fp32",
             "load_s": load_s,
+            "time_to_first_step_s": load_s + times[0] if times else None,
             "rss_after_load_mb": rss_load,
             "peak_rss_after_load_mb": peak_load,
         },

@@ -85,12 +85,8 @@ class EngineSession:
 
     def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend_override: str,
                  loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
-        """``loader`` has ``lorad.server.engine.models.load_model``'s signature (default: that function)."""
+        """``loader`` has ``lorad.server.engine.models.load_model``'s signature (None: the engine's own loader)."""
         self.req, self.models, self.cache_root, self.backend_override = req, models, cache_root, backend_override
-        if loader is None:
-            from lorad.server.engine.models.loader import load_model
-
-            loader = load_model
         self.loader = loader
 
     def _train_config(self) -> Any:
@@ -183,12 +179,11 @@ class EngineSession:
                 sink.notice(f"resumed from checkpoint step {last.step}")
             sink.phase(phase, fraction)
 
-        def load_and_measure(*args: Any, **kwargs: Any) -> Any:
+        def on_loaded(loaded: Any) -> None:
             # run_recipe calls this before restoring any checkpoint: the fresh adapter's B is zero, so this model
             # computes exactly the base model's loss. The data is prepared here too (the recipe prepares it again,
             # deterministically: tokenizing is ~1 ms per sample) so its notice arrives before training starts.
             nonlocal before
-            loaded = self.loader(*args, **kwargs)
             if self.req.init_adapter is not None:
                 start_from_adapter(loaded, self.req.init_adapter)  # before measuring: "before" is this adapter's loss
             try:
@@ -207,13 +202,12 @@ class EngineSession:
                 before = measure_base_eval_loss(loaded, cfg, data)
                 if before is not None:
                     sink.eval_before(before, cfg.steps)
-            return loaded
 
         try:
             res = run_recipe(
                 cfg, samples, work_dir=self.req.work_dir, cache_root=self.cache_root, model_source=entry.source,
-                on_progress=on_progress, should_pause=should_stop, load=load_and_measure, save_adapter=save,
-                on_phase=on_phase,
+                on_progress=on_progress, should_pause=should_stop, load=self.loader, save_adapter=save,
+                on_phase=on_phase, on_loaded=on_loaded,
             )  # fmt: skip
         except DataError as exc:
             raise JobFailure("no_usable_samples", str(exc)) from None

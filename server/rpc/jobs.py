@@ -127,7 +127,11 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         job_id = v.check_server_id("job_id", request.job_id)
         after = v.check_int64("after_event_id", request.after_event_id)
         events, more = await asyncio.to_thread(
-            self.s.manager.events, app_id, job_id, after, request.page_size  # the manager applies the paging rule
+            self.s.manager.events,
+            app_id,
+            job_id,
+            after,
+            request.page_size,  # the manager applies the paging rule
         )
         return jobs_pb2.ListJobEventsResponse(events=[cv.event_pb(e) for e in events], has_more=more)
 

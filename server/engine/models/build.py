@@ -30,8 +30,8 @@ def layer_precision(precision: Any, name: str) -> tuple[str, str | None]:
     return str(fwd), (None if bwd is None else str(bwd))
 
 
-def shared_fp32_weight(frozen: Any, like: Tensor) -> Tensor | None:
-    """A zero-copy fp32 view of the weight a CPU FrozenLinear holds, if it holds one equal in shape to `like`.
+def shared_head_weight(frozen: Any, like: Tensor) -> Tensor | None:
+    """A zero-copy fp32 (or bf16) view of the weight a CPU FrozenLinear holds, if one equals `like` in shape.
 
     lorad.kernels has no public accessor for this, so the known storage of the CPU backends is looked up (ort-cpu's
     numpy buffer, torch's fp32 store); anything else returns None and the caller keeps its own copy. The view is
@@ -41,10 +41,12 @@ def shared_fp32_weight(frozen: Any, like: Tensor) -> Tensor | None:
     arrays = getattr(frozen, "_arrays", None)  # OrtCpuFrozenLinear: {"fp32": np.ndarray [out, in], ...}
     if isinstance(arrays, dict) and "fp32" in arrays:
         cand = torch.from_numpy(arrays["fp32"])
-    store = getattr(frozen, "_store", None)  # TorchFrozenLinear: {"fp32": (Tensor, None), ...}
-    if cand is None and isinstance(store, dict) and "fp32" in store:
-        cand = store["fp32"][0]
-    if not isinstance(cand, Tensor) or cand.dtype != torch.float32 or tuple(cand.shape) != tuple(like.shape):
+    store = getattr(frozen, "_store", None)  # TorchFrozenLinear: {"fp32": (Tensor, None), "bf16": ...}
+    for p in ("fp32", "bf16"):
+        if cand is None and isinstance(store, dict) and p in store:
+            cand = store[p][0]
+    dtypes = (torch.float32, torch.bfloat16)
+    if not isinstance(cand, Tensor) or cand.dtype not in dtypes or tuple(cand.shape) != tuple(like.shape):
         return None
     return cand if cand.is_contiguous() else None
 
@@ -136,7 +138,7 @@ def build_model(
     # One fp32 table when the backend's head holds a plain fp32 copy of the same tensor: the lookup reads it (113 MB
     # saved on SmolLM2). Otherwise the lookup table is a separate copy; when the head itself is reduced-precision,
     # fp16 rows (half the bytes: 57 MB instead of 113 MB for SmolLM2) lose nothing that matters.
-    shared = shared_fp32_weight(head_frozen, embed) if head_key == "model.embed_tokens" else None
+    shared = shared_head_weight(head_frozen, embed) if head_key == "model.embed_tokens" else None
     if shared is not None:
         embed = shared
     elif fwd != "fp32":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,20 +15,23 @@ import torch
 
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
-from lorad.server.engine.training.data import PreparedData
-from lorad.server.engine.training.packing import BatchStream
 
 log = structlog.get_logger(__name__)
 
 PLAN_FILE = "precision_plan.json"
-# Backend -> (reference precision the model is loaded and measured at, candidate precisions the planner may pick).
-# torch is the reference backend: "auto" stays fp32 there (no planning). ort-cpu runs fp32 and w8a8; HTP runs
-# fp16 natively and its QDQ graphs take w8a16/w8a8 (w4a16 is left out: not validated for training yet).
-AUTO_PLAN: dict[str, tuple[str, tuple[str, ...]]] = {
-    "ort-cpu": ("fp32", ("w8a8",)),
-    "qnn-htp": ("fp16", ("w8a16", "w8a8")),
-}
+PLAN_CACHE = "plans"  # under the cache root: plan-<key>.json and costs-<machine>.json
 
+# Calibration text for planning. Sensitivity belongs to the base model, backend and adapter shape, not to one
+# night's notes, so the planner measures on this fixed text (with a fixed-seed adapter) and the plan is cached per
+# (model hash, backend, menu, targets, rank, sequence bucket) and reused by every job and dataset.
+CALIBRATION_TEXT = (
+    "Every morning before work I walk the dog along the river, then make coffee and read the news. On Tuesdays I "
+    "meet my sister for lunch; she teaches biology at the high school and tells me about her students. Last week "
+    "we talked about moving to a smaller flat closer to the station, because the commute takes almost an hour. "
+    "My doctor said I should sleep more and drink less coffee after three o'clock. I am learning Spanish with an "
+    "app and can now order food and ask for directions. Remember: the car needs new tyres before winter, the "
+    "rent is due on the first, and Grandma's birthday is on the twelfth of March. "
+)
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
 
 
@@ -48,8 +53,54 @@ class JobPlan:
 
 
 def plans_here(backend: str, precision: str) -> bool:
-    """True when `precision` is "auto" and `backend` has a planner setup (not the torch reference backend)."""
-    return precision == "auto" and backend in AUTO_PLAN
+    """True when `precision` is "auto" and `backend` offers a real precision besides its reference on this machine."""
+    from lorad.kernels.capabilities import capability
+
+    return precision == "auto" and bool(capability(backend).planner_menu())
+
+
+def seq_bucket(seq_len: int) -> int:
+    """The sequence bucket a plan is for: the next power of two >= seq_len (at least 64)."""
+    b = 64
+    while b < seq_len:
+        b *= 2
+    return b
+
+
+def plan_cache_key(model_hash: str, backend: str, cfg: TrainConfig) -> dict[str, Any]:
+    """Everything that decides a job's plan; the data, the seed and the learning schedule do not."""
+    from lorad.kernels.capabilities import capability
+    from lorad.kernels.plan_cache import plan_key
+
+    cap = capability(backend)
+    return plan_key(
+        model_hash=model_hash, backend=backend, candidates=cap.planner_menu(), budget=cfg.precision_budget,
+        reference=cap.reference, mode="fast", cost="measured",
+        extra={"rank": cfg.rank, "alpha": cfg.alpha, "targets": sorted(cfg.targets), "bucket": seq_bucket(cfg.seq_len)},
+    )  # fmt: skip
+
+
+def _persist(work_dir: Path, plan: Any, *, reused: bool) -> JobPlan:
+    blob = json.dumps(plan.to_dict(), indent=1, sort_keys=True).encode()
+    ckpt.atomic_write(work_dir / PLAN_FILE, lambda f: f.write(blob))
+    return JobPlan(plan, hashlib.sha256(blob).hexdigest(), reused=reused)
+
+
+def known_plan(
+    model_hash: str, cfg: TrainConfig, *, backend: str, work_dir: Path, cache_root: Path, resuming: bool
+) -> JobPlan | None:
+    """The plan this job trains with when no planning is needed: the job's own on resume, else a cached one.
+
+    Raises:
+        CheckpointError: resuming without a readable plan file for this backend.
+    """
+    from lorad.kernels.plan_cache import cache_path, read_cached
+
+    if resuming:
+        return read_job_plan(work_dir, backend)
+    key = plan_cache_key(model_hash, backend, cfg)
+    plan = read_cached(cache_path(cache_root / PLAN_CACHE, key), key)
+    return None if plan is None else _persist(work_dir, plan, reused=True)
 
 
 def frozen_weights(loaded: Any) -> Weights:
@@ -74,12 +125,32 @@ def frozen_weights(loaded: Any) -> Weights:
     return out
 
 
-def calibration_loss(model: Any, cfg: TrainConfig, data: PreparedData, pad_id: int) -> Any:
-    """Loss closure on the first training micro-batch, drawn from a separate stream (the trainer's cursor stays)."""
-    x, y = BatchStream(
-        data.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, pad_id=pad_id
-    ).next_batch()
-    return lambda: model(x, y)
+def calibration_loss(model: Any, tokenizer: Any, seq_len: int) -> Any:
+    """Loss closure on one sequence of CALIBRATION_TEXT tokens (repeated to fill the bucket), every token labelled."""
+    ids = tokenizer.encode(CALIBRATION_TEXT)
+    ids = (ids * (seq_len // max(len(ids), 1) + 1))[:seq_len]
+    x = torch.tensor([ids], dtype=torch.long)
+    return lambda: model(x, x)
+
+
+def _seeded_adapter(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sets every LoRA A/B to fixed-seed values (B non-zero, so dA is measured too); returns the originals."""
+    saved = []
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lin in model.lora_modules():
+            a, b = lin.lora.lora_A, lin.lora.lora_B
+            saved.append((a.detach().clone(), b.detach().clone()))
+            a.copy_((torch.rand(a.shape, generator=g) * 2 - 1) / math.sqrt(a.shape[1]))
+            b.copy_(torch.randn(b.shape, generator=g) * 1e-2)
+    return saved
+
+
+def _restore_adapter(model: Any, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for lin, (a, b) in zip(model.lora_modules(), saved, strict=True):
+            lin.lora.lora_A.copy_(a)
+            lin.lora.lora_B.copy_(b)
 
 
 def read_job_plan(work_dir: Path, backend: str) -> JobPlan:
@@ -111,52 +182,55 @@ def read_job_plan(work_dir: Path, backend: str) -> JobPlan:
 def plan_job(
     loaded: Any,
     cfg: TrainConfig,
-    data: PreparedData,
     *,
-    pad_id: int,
     backend: str,
     work_dir: Path,
     cache_root: Path,
-    resuming: bool,
+    on_progress: Callable[[float], None] | None = None,
 ) -> JobPlan:
-    """Plans (or, on resume, re-reads) the job's precision plan and re-lowers `loaded.model` to it in place.
+    """Plans a job's precisions (cold: nothing cached), caches and persists the plan, re-lowers the model to it.
 
-    Call before the Trainer exists: the optimizer must see the final model; the planner restores the torch RNG,
-    and the calibration batch comes from its own stream, so the training run is unchanged by planning.
+    Call before the Trainer exists (its optimizer must see the final model). The model must be loaded at the
+    backend's reference precision. Planning measures on CALIBRATION_TEXT with a fixed-seed adapter and restores the
+    job's adapter and the torch RNG afterwards, so the training run is unchanged by it.
 
     Args:
-        loaded: the model loaded at the backend's reference precision (AUTO_PLAN), with `checkpoint.path`.
-        cfg: the job's config (budget, LoRA shape, data shape).
-        data: the prepared data (first training batch = calibration batch).
-        pad_id: padding token id.
-        backend: the detected backend (a key of AUTO_PLAN).
+        loaded: the model loaded at the backend's reference precision, with `checkpoint.path`.
+        cfg: the job's config (budget, LoRA shape, sequence length).
+        backend: the daemon's backend.
         work_dir: the job directory; the plan is persisted as `work_dir/precision_plan.json`.
-        cache_root: lorad cache; plans are cached under `plans/`, backend artifacts under `backend/`.
-        resuming: a checkpoint exists; the persisted plan is reused and never replanned.
-
-    Raises:
-        CheckpointError: resuming without a readable plan file for this backend.
+        cache_root: lorad cache: plans and cost tables under `plans/`, backend artifacts under `backend/`.
+        on_progress: called with the fraction of planning done (0..1).
     """
-    from lorad.kernels import apply_plan, load_or_plan
+    from lorad.kernels import apply_plan, plan_precision
+    from lorad.kernels.capabilities import capability
+    from lorad.kernels.costs import measure
+    from lorad.kernels.plan_cache import cache_path, write_cached
 
-    reference, candidates = AUTO_PLAN[backend]
+    progress = on_progress or (lambda _f: None)
+    cap = capability(backend)
+    menu = cap.planner_menu()
     weights = frozen_weights(loaded)
-    if resuming:
-        job = read_job_plan(work_dir, backend)
-        from_cache = True
-    else:
-        plan, from_cache = load_or_plan(
-            cache_root / "plans", loaded.model, calibration_loss(loaded.model, cfg, data, pad_id), weights,
-            model_hash=loaded.model_hash, backend=backend, candidates=candidates, reference=reference,
-            budget=cfg.precision_budget, mode="fast",
-            extra_key={"rank": cfg.rank, "alpha": cfg.alpha, "targets": sorted(cfg.targets), "seed": cfg.seed,
-                       "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "data": data.fingerprint},
+    bucket = seq_bucket(cfg.seq_len)
+    shapes = {(int(w.shape[0]), int(w.shape[1])) for w, _ in weights.values()}
+    progress(0.0)
+    costs = measure(backend, shapes, (cap.reference, *menu), rows=bucket, cache_dir=cache_root / PLAN_CACHE)
+    progress(0.1)
+    saved = _seeded_adapter(loaded.model)
+    try:
+        plan = plan_precision(
+            loaded.model, calibration_loss(loaded.model, loaded.tokenizer, bucket), weights, backend=backend,
+            reference=cap.reference, candidates=menu, budget=cfg.precision_budget, cost="measured", mode="fast",
+            costs=costs, on_progress=lambda f: progress(0.1 + 0.85 * f),
         )  # fmt: skip
-        blob = json.dumps(plan.to_dict(), indent=1, sort_keys=True).encode()
-        ckpt.atomic_write(work_dir / PLAN_FILE, lambda f: f.write(blob))
-        job = JobPlan(plan, hashlib.sha256(blob).hexdigest(), reused=False)
-    rebuilt = apply_plan(loaded.model, job.plan, weights, backend=backend,
+    finally:
+        _restore_adapter(loaded.model, saved)
+    plan.costs = dict(costs.ms)  # stored with the job and printed by the benchmark
+    key = plan_cache_key(loaded.model_hash, backend, cfg)
+    write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
+    job = _persist(work_dir, plan, reused=False)
+    rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
                          cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
-    log.info("job_precision_plan", reused=job.reused, from_cache=from_cache, rebuilt=rebuilt, sha256=job.sha256[:16],
-             **job.plan.summary())  # fmt: skip
+    progress(1.0)
+    log.info("job_precision_planned", rebuilt=rebuilt, sha256=job.sha256[:16], **plan.summary())
     return job

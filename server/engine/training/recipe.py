@@ -15,17 +15,10 @@ import torch
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
-from lorad.server.engine.training.precision import JobPlan, plan_job, plans_here
+from lorad.server.engine.training.precision import JobPlan, frozen_weights, known_plan, plan_job, plans_here
 from lorad.server.engine.training.trainer import PhaseCallback, Progress, Trainer
 
 log = structlog.get_logger(__name__)
-
-# Precision the model is loaded at for precision="auto": the reference the planner measures against, and the final
-# precision on torch (the reference backend, never planned). On ort-cpu and qnn-htp, "auto" then lowers each layer as
-# far as the measured LoRA-gradient drift allows (lorad.server.engine.training.precision, budget cfg.precision_budget):
-# w8a8 everywhere on ort-cpu was 1.3x faster on SmolLM2-135M but 25% above PEFT fp32 in held-out loss after 30 steps
-# (bench/train.py, Dec 2026), so a uniform choice is not an option.
-AUTO_PRECISION = {"torch": "fp32", "ort-cpu": "fp32", "qnn-htp": "fp16"}
 
 
 @dataclass
@@ -63,8 +56,11 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_precision(precision: str, backend: str) -> str:
-    """The precision a model is loaded at: `precision` itself, or for "auto" the backend's reference precision."""
-    return AUTO_PRECISION.get(backend, "fp32") if precision == "auto" else precision
+    """The precision a model is loaded at: `precision` itself, or for "auto" the backend's reference precision (the
+    planner then lowers each layer as far as the measured LoRA-gradient drift and the measured cost allow)."""
+    from lorad.kernels.capabilities import capability
+
+    return capability(backend).reference if precision == "auto" else precision
 
 
 def save_adapter_files(model: Any, out: Path, metadata: dict[str, Any]) -> Path:
@@ -93,6 +89,7 @@ def run_recipe(
     load: Callable[..., Any] | None = None,
     save_adapter: Callable[[Any, Path, dict[str, Any]], Path] = save_adapter_files,
     on_phase: PhaseCallback | None = None,
+    on_loaded: Callable[[Any], None] | None = None,
 ) -> RecipeResult:
     """Trains a LoRA adapter on `samples`, resuming from the newest checkpoint in `work_dir` if there is one.
 
@@ -107,6 +104,8 @@ def run_recipe(
         load: model loader with `lorad.server.engine.models.loader.load_model`'s signature (tests inject tiny models).
         save_adapter: writes the finished adapter; returns its directory.
         on_phase: told when the run enters a phase (see `PhaseCallback`); called on the training thread.
+        on_loaded: called with the LoadedModel once it is built at its final precisions, before any checkpoint is
+            restored (its adapter is the fresh one: B = 0, so it computes the base model's loss).
 
     Returns:
         The result; status "completed" (adapter saved) or "paused" (checkpoint saved).
@@ -115,31 +114,47 @@ def run_recipe(
     from lorad.kernels import detect_backend
     from lorad.server.engine.models import LoraConfig
 
-    if load is None:
-        from lorad.server.engine.models.loader import load_model
-
-        load = load_model
     phase = on_phase or _no_phase
     phase("loading", None)
     info = detect_backend(cfg.backend)
     precision = resolve_precision(cfg.precision, info.name)
     seed_everything(cfg.seed)
     lora = LoraConfig(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=cfg.targets)
-    loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=precision, lora=lora)
-    tok = loaded.tokenizer
-    data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
-    pad_id = tok.eos_id if tok.eos_id is not None else 0
     ckpt_dir = work_dir / "checkpoints"
     ckpt.remove_stale_temps(ckpt_dir)
     last = ckpt.latest(ckpt_dir)
+    planning = plans_here(info.name, cfg.precision)
+    plan_args: dict[str, Any] = {"backend": info.name, "work_dir": work_dir, "cache_root": cache_root}
     job_plan: JobPlan | None = None
-    if plans_here(info.name, cfg.precision):
-        # Before the Trainer: its optimizer and hooks must see the re-lowered model. A resume reuses the job's plan.
+    if load is None:
+        from lorad.server.engine.models.loader import load_model, resolve
+
+        # A known plan (the job's own on resume, or the cache's) is built directly: no reference-precision copy.
+        if planning:
+            job_plan = known_plan(resolve(model_source, cache_root).model_hash, cfg, resuming=last is not None,
+                                  **plan_args)  # fmt: skip
+        load_at: Any = job_plan.plan if job_plan else precision
+        loaded = load_model(model_source, cache_root=cache_root, backend=info.name, precision=load_at, lora=lora)
+    else:  # an injected loader (tests): load at the reference, then re-lower to a known plan
+        loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=precision, lora=lora)
+        if planning:
+            job_plan = known_plan(loaded.model_hash, cfg, resuming=last is not None, **plan_args)
+            if job_plan is not None:
+                from lorad.kernels import apply_plan
+
+                apply_plan(loaded.model, job_plan.plan, frozen_weights(loaded), backend=info.name,
+                           cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
+    if planning and job_plan is None:
+        # Before the Trainer: its optimizer and hooks must see the re-lowered model.
         phase("planning", 0.0)
-        job_plan = plan_job(loaded, cfg, data, pad_id=pad_id, backend=info.name, work_dir=work_dir,
-                            cache_root=cache_root, resuming=last is not None)  # fmt: skip
+        job_plan = plan_job(loaded, cfg, on_progress=lambda f: phase("planning", f), **plan_args)
+    if planning:
         precision = "auto"
-        phase("planning", 1.0)
+    if on_loaded is not None:
+        on_loaded(loaded)
+    tok = loaded.tokenizer
+    data = prepare(samples, tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction)
+    pad_id = tok.eos_id if tok.eos_id is not None else 0
     layers = job_plan.layers() if job_plan else (("*", precision, precision),)
     if cfg.freeze_lora_a:  # after planning (it measures dA too); the optimizer then only sees B
         for lin in loaded.model.lora_modules():

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lorad.kernels import PrecisionPlan, plan_cache
+from lorad import kernels
+from lorad.kernels import PrecisionPlan, costs
+from lorad.kernels.capabilities import cpu_bf16
 from lorad.server.engine.models import build_model
 from lorad.server.engine.training import recipe
 from lorad.server.engine.training.checkpoint import CheckpointError
@@ -40,15 +42,28 @@ def _run(work: Path, cache: Path, cfg: TrainConfig = AUTO, **kw: Any) -> Any:
 
 @pytest.fixture
 def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts calls of the planner behind load_or_plan."""
+    """Counts planner runs, and prices w8a8 at half of fp32 so the tiny layers get lowered.
+
+    The cost table is measured for real (the planner drops any precision that is not faster); on 32-wide toy layers
+    ORT's int8 path is not faster than fp32, so without this the plan would be all fp32 and these tests, which are
+    about persisting and re-applying a plan, would not see a lowered layer.
+    """
     calls: list[int] = []
-    real = plan_cache.plan_precision
+    real = kernels.plan_precision
+    real_measure = costs.measure
 
     def spy(*a: Any, **k: Any) -> Any:
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(plan_cache, "plan_precision", spy)
+    def cheap_w8a8(*a: Any, **k: Any) -> costs.CostTable:
+        t = real_measure(*a, **k)
+        for key in [k2 for k2 in t.ms if "|w8a8|" in k2]:
+            t.ms[key] = 0.5 * t.ms[key.replace("|w8a8|", "|fp32|")]
+        return t
+
+    monkeypatch.setattr(kernels, "plan_precision", spy)
+    monkeypatch.setattr(costs, "measure", cheap_w8a8)
     return calls
 
 
@@ -114,10 +129,16 @@ def test_resume_without_plan_file_fails_clearly(tmp_path: Path, plan_calls: list
     assert plan_calls == [1]
 
 
-def test_torch_auto_stays_fp32_and_explicit_precision_is_one_layout(tmp_path: Path) -> None:
+def test_torch_auto_plans_bf16_where_native_and_explicit_precision_is_one_layout(tmp_path: Path) -> None:
     r = _run(tmp_path / "t", tmp_path / "cache", replace(AUTO, backend="torch", steps=2))
-    assert r.precision == "fp32" and r.precision_plan == (("*", "fp32", "fp32"),) and r.plan_sha256 is None
-    assert not (tmp_path / "t" / PLAN_FILE).exists()
+    if cpu_bf16().native:  # bf16 is on the menu; the measured cost decides per layer
+        assert r.precision == "auto" and (tmp_path / "t" / PLAN_FILE).exists()
+        assert all(f in ("fp32", "bf16") and b in ("fp32", "bf16") for _, f, b in r.precision_plan)
+        plan = PrecisionPlan.from_dict(json.loads((tmp_path / "t" / PLAN_FILE).read_text()))
+        assert plan.cost_model == "measured" and any("|bf16|" in k for k in plan.costs)
+    else:  # nothing real to choose: torch stays at its fp32 reference, no planning
+        assert r.precision == "fp32" and r.precision_plan == (("*", "fp32", "fp32"),) and r.plan_sha256 is None
+        assert not (tmp_path / "t" / PLAN_FILE).exists()
     r = _run(tmp_path / "o", tmp_path / "cache", replace(AUTO, precision="w8a8", steps=2))
     assert r.precision_plan == (("*", "w8a8", "w8a8"),) and not (tmp_path / "o" / PLAN_FILE).exists()
 
