@@ -64,6 +64,15 @@ EOF
 )
 if [ "$health" = SERVING ]; then ok health; else bad health "grpc.health.v1 answered '$health'"; fi
 
+t "register an app, add data, train"
+if "$LORAD" app register e2e --json > "$WORK/app.json"; then
+    LORAD_TOKEN=$(jget "$WORK/app.json" 'd["token"]')
+    export LORAD_TOKEN
+    ok app-register
+else
+    bad app-register "lorad app register failed"
+    exit 1
+fi
 t "lorad status"
 if timeout 120 "$LORAD" status > "$WORK/status.txt" 2>&1 && timeout 120 "$LORAD" status --json > "$WORK/status.json"; then
     cat "$WORK/status.txt"
@@ -83,15 +92,6 @@ else
     bad status "lorad status failed: $(tail -3 "$WORK/status.txt")"
 fi
 
-t "register an app, add data, train"
-if "$LORAD" app register e2e --json > "$WORK/app.json"; then
-    LORAD_TOKEN=$(jget "$WORK/app.json" 'd["token"]')
-    export LORAD_TOKEN
-    ok app-register
-else
-    bad app-register "lorad app register failed"
-    exit 1
-fi
 for i in $(seq 12); do
     printf '{"text": "Tofu is a grey whippet who likes walks number %s in the park."}\n' "$i"
 done > "$WORK/samples.jsonl"

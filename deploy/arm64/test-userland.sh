@@ -23,6 +23,8 @@ MIRROR="${LORAD_ARM64_MIRROR:-http://deb.debian.org/debian}"
 HOST_PY="${LORAD_HOST_PYTHON:-$REPO/.venv/bin/python}"
 ROOT="$CACHE/root-$SUITE"
 DIST="$CACHE/dist"
+# qemu-user's CPU model (read by qemu from QEMU_CPU in every emulated process); see deploy/README.md.
+QEMU_CPU_MODEL="${LORAD_ARM64_QEMU_CPU:-max}"
 HOST_CA="${LORAD_ARM64_HOST_CA:-/etc/ssl/certs/ca-certificates.crt}"
 PATH_IN_ROOT=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
@@ -51,7 +53,7 @@ enter() {
     # The host may reach PyPI through a TLS-inspecting proxy whose CA only the host trusts: hand pip its bundle.
     cp "$HOST_CA" "$ROOT/etc/lorad-host-ca.crt"
     exec chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb PATH="$PATH_IN_ROOT" \
-        PIP_CERT=/etc/lorad-host-ca.crt SSL_CERT_FILE=/etc/lorad-host-ca.crt "$@"
+        PIP_CERT=/etc/lorad-host-ca.crt SSL_CERT_FILE=/etc/lorad-host-ca.crt QEMU_CPU="$QEMU_CPU_MODEL" "$@"
 }
 
 # --- stages (each runs as `test-userland.sh --stage NAME` under its own timeout) ---
@@ -161,8 +163,10 @@ stage_wheels_report() {
     "$0" --in-root /opt/lorad/venv/bin/python -c '
 import importlib.metadata as md
 for d in sorted(md.distributions(), key=lambda d: d.metadata["Name"].lower()):
-    tags = [line.split(":", 1)[1].strip() for line in (d.read_text("WHEEL") or "").splitlines() if line.startswith("Tag:")]
-    print(f"{d.metadata[\"Name\"]}=={d.version}  {tags[0] if tags else \"?\"}")
+    wheel = d.read_text("WHEEL") or ""
+    tags = [x.split(":", 1)[1].strip() for x in wheel.splitlines() if x.startswith("Tag:")]
+    name = d.metadata["Name"]
+    print(name + "==" + d.version, tags[0] if tags else "?")
 '
 }
 
@@ -182,7 +186,7 @@ STAGES=(
 )
 
 main() {
-    local passed=0 failed=0 times=() log
+    local passed=0 failed=0 times=()
     log="$(mktemp)"
     trap 'rm -f "$log"' EXIT
     local run_start
