@@ -95,6 +95,7 @@ class Precision(enum.StrEnum):
 
     AUTO = "auto"
     FP32 = "fp32"
+    BF16 = "bf16"
     FP16 = "fp16"
     W8A16 = "w8a16"
     W8A8 = "w8a8"

@@ -51,17 +51,6 @@ def _remove_windows(remove_window: RemoveWindow | None, aps_ids: list[str]) -> N
             log.warning("window_remove_failed", error=type(exc).__name__)
 
 
-def _clear_plan_cache(s: Services) -> int:
-    """Precision plans are cached by a fingerprint of the training data: drop them all (they are recomputed)."""
-    d = s.layout.data_dir / "cache" / "plans"
-    freed = 0
-    if d.is_dir():
-        for p in d.iterdir():
-            if p.is_file():
-                freed += remove_tree(p)
-    return freed
-
-
 def _stop(s: Services, app_id: str, job_ids: list[str] | None) -> None:
     timeout = s.cfg.server.checkpoint_timeout_seconds
     if not s.runner.stop_for_purge(app_id, job_ids, timeout):
@@ -97,8 +86,9 @@ def finish_forget(s: Services, app_id: str, remove_window: RemoveWindow | None =
         adapters = s.adapters.all_for_app(app_id)
         app_dir = s.layout.app_dir(app_id)
         freed = tree_size(app_dir)
-        remove_tree(app_dir)  # checkpoints, plans, adapters, exports: files first, they free the space
-        freed += _clear_plan_cache(s)
+        # Checkpoints, job plans, adapters, exports: files first, they free the space. The shared precision-plan cache
+        # stays: plans are measured on a fixed calibration text, never on an app's data.
+        remove_tree(app_dir)
         for hook in s.on_forget:
             hook(app_id)
         p = _purger(s)
@@ -179,7 +169,6 @@ def finish_delete_dataset(s: Services, app_id: str, dataset_id: str, remove_wind
         _remove_windows(remove_window, [f"schedule:{x}" for x in scheds] + [f"window:{j}" for j in ids])
         for x in scheds:
             p.execute("DELETE FROM schedules WHERE schedule_id=?", (x,))
-        _clear_plan_cache(s)
         n = p.samples(app_id, dataset_id)
         p.execute("DELETE FROM datasets WHERE app_id=? AND dataset_id=?", (app_id, dataset_id))
         p.finish()

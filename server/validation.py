@@ -140,8 +140,8 @@ FLOAT_FIELDS = {
 ENUMS = {
     "backend": (("torch", "ort-cpu", "qnn-htp"), "BACKEND_TORCH, BACKEND_ORT_CPU or BACKEND_QNN_HTP (0 = auto)"),
     "precision": (
-        ("fp32", "fp16", "w8a16", "w8a8"),
-        "PRECISION_FP32, PRECISION_FP16, PRECISION_W8A16 or PRECISION_W8A8 (0 = auto)",
+        ("fp32", "bf16", "fp16", "w8a16", "w8a8"),
+        "PRECISION_FP32, PRECISION_BF16, PRECISION_FP16, PRECISION_W8A16 or PRECISION_W8A8 (0 = auto)",
     ),
     "lr_schedule": (
         ("cosine", "linear", "constant"),
@@ -231,6 +231,26 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
         precision=str(raw.get("precision") or "auto"), eval_fraction=eval_fraction,
         init_adapter_id=init_adapter, freeze_lora_a=bool(raw.get("freeze_lora_a")),
     )  # fmt: skip
+
+
+def check_precision_for_backend(params: TrainingParams, daemon_backend: str, field: str = "config") -> None:
+    """A precision the job's backend cannot run is refused at CreateJob, not as a FAILED job later.
+
+    Raises:
+        InvalidArgument: naming ``config.precision``, the backend and what it runs (from the capability table).
+    """
+    if params.precision == "auto":
+        return
+    from lorad.kernels.capabilities import capability
+
+    backend = params.backend if params.backend != "auto" else daemon_backend
+    cap = capability(backend)
+    if params.precision not in cap.precisions:
+        raise InvalidArgument(
+            f"{field}.precision",
+            f"{params.precision} is not run by backend {backend}; it runs {', '.join(cap.precisions)} (or leave it "
+            "unset for the planner's choice)",
+        )
 
 
 def build_requirements(raw: Mapping[str, Any], defaults: Requirements, field: str = "requirements") -> Requirements:

@@ -30,6 +30,7 @@ PRECISION_NAMES: dict[Any, str] = {
     common_pb2.PRECISION_FP16: "fp16",
     common_pb2.PRECISION_W8A16: "w8a16",
     common_pb2.PRECISION_W8A8: "w8a8",
+    common_pb2.PRECISION_BF16: "bf16",
 }
 PRECISION_ENUMS: dict[str, Any] = {v: k for k, v in PRECISION_NAMES.items()}
 SCHEDULE_NAMES: dict[Any, str] = {

@@ -195,3 +195,18 @@ def test_failing_job_records_error_and_daemon_lives(make_daemon) -> None:
     code, _, trailing = code_of(lambda: list(app.adapters.DownloadAdapter(adapters_pb2.DownloadAdapterRequest(
         adapter_id=ok.adapter_id, read_offset=10**9), metadata=app.md)))  # fmt: skip
     assert code == IA and trailing["lorad-error-field"] == "read_offset"
+
+
+def test_precision_the_backend_cannot_run_is_refused_at_create(make_daemon) -> None:
+    """fp16 on the torch backend used to be accepted, go RUNNING, then FAIL internal; now CreateJob refuses it."""
+    d = make_daemon()
+    a, _ = d.register("alpha")
+    append(a, samples=corpus(12))
+    with pytest.raises(grpc.RpcError) as e:
+        create_job(a, "bad", precision=common_pb2.PRECISION_W8A16, backend=common_pb2.BACKEND_ORT_CPU)
+    assert e.value.code() == IA and "config.precision" in str(e.value.details())
+    assert "ort-cpu" in str(e.value.details()) and "w8a8" in str(e.value.details())
+    assert not a.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=a.md).jobs  # nothing stored
+    # bf16 is in the API and accepted where the backend runs it (torch runs it, natively or by rounding).
+    job = create_job(a, "ok", precision=common_pb2.PRECISION_BF16, backend=common_pb2.BACKEND_TORCH)
+    assert job.job_id

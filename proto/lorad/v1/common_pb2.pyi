@@ -131,6 +131,10 @@ class _PrecisionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Precision.V
     """INT8 per-channel weights, 16-bit activations."""
     PRECISION_W8A8: _Precision.ValueType  # 4
     """INT8 per-channel weights, 8-bit activations."""
+    PRECISION_BF16: _Precision.ValueType  # 5
+    """bfloat16 weights and operands with fp32 accumulation (CPUs with bf16 instructions: x86 AVX512-BF16/AMX, ARM
+    BF16); one bf16 copy of each weight serves the forward and the input gradient.
+    """
 
 class Precision(_Precision, metaclass=_PrecisionEnumTypeWrapper):
     """Precision of the frozen-weight matrix multiplications."""
@@ -145,6 +149,10 @@ PRECISION_W8A16: Precision.ValueType  # 3
 """INT8 per-channel weights, 16-bit activations."""
 PRECISION_W8A8: Precision.ValueType  # 4
 """INT8 per-channel weights, 8-bit activations."""
+PRECISION_BF16: Precision.ValueType  # 5
+"""bfloat16 weights and operands with fp32 accumulation (CPUs with bf16 instructions: x86 AVX512-BF16/AMX, ARM
+BF16); one bf16 copy of each weight serves the forward and the input gradient.
+"""
 Global___Precision: _TypeAlias = Precision  # noqa: Y015
 
 @_typing.final
