@@ -4,8 +4,9 @@ Overview (docs/design.md §2, docs/qnn_htp.md):
 
 - ``make_frozen_linear(W, b, backend=..., precision=...)`` returns a ``FrozenLinear``: ``forward(x) = x·Wᵀ + b`` and
   ``input_grad(dy) = dy·W`` on one of ``BACKENDS``; no weight gradient is ever computed.
-  * ``torch``: reference; fp32 exact, other precisions emulated by fake-quant so the planner runs on any host.
-  * ``ort-cpu``: ONNX Runtime CPU EP, the fast path on x86. fp32 and w8a8. One weight copy serves both
+  * ``torch``: fp32 reference; native bf16 (oneDNN, one bf16 copy, fp32 accumulation) on CPUs with bf16
+    instructions, the fast path there; other precisions emulated by fake-quant so the planner runs on any host.
+  * ``ort-cpu``: ONNX Runtime CPU EP, the fast path on CPUs without bf16. fp32 and w8a8. One weight copy serves both
     directions (fp32 W or one int8 per-channel W fed as a graph input to a forward and a backward session).
   * ``qnn-htp``: onnxruntime-qnn plugin EP; static token buckets (pad, strip), FP16 graphs with the weight as a
     graph input (one host copy; weight-free graphs shared by all layers of a shape) or QDQ graphs for
@@ -21,6 +22,8 @@ Overview (docs/design.md §2, docs/qnn_htp.md):
 - ``load_or_plan(cache_dir, model, loss_fn, weights, model_hash=, backend=, ...)`` returns ``(plan, from_cache)``:
   the plan cached for (model hash, backend, candidates, budget, planner version, layers, extra key) or a new one;
   ``apply_plan(model, plan, weights, backend=)`` re-lowers a built model in place to a plan.
+- ``capabilities``: the one table of what each backend runs (validation, planner menu, status read it);
+  ``costs.measure`` times each weight shape and precision once per machine for the planner's cost model.
 - ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.
 """
 
