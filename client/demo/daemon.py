@@ -74,7 +74,7 @@ class DemoDaemon:
         Raises:
             Unavailable: The daemon exited or did not come up in time (the message holds its log tail).
         """
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # lorad refuses a data dir others can read
         write_probe(self.probe_file, UNPLUGGED)
         self.config_file.write_text(daemon_config(self.data_dir, self.probe_file, self.torch_threads))
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
