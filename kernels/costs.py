@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,14 +49,6 @@ class CostTable:
     def get(self, shape: tuple[int, int], precision: str, direction: str) -> float:
         """ms of one call (KeyError when not measured)."""
         return self.ms[self.key(shape, precision, direction)]
-
-    def rows_table(self) -> list[tuple[str, str, str, float]]:
-        """(shape, precision, direction, ms) rows sorted for printing."""
-        out = []
-        for k, v in sorted(self.ms.items()):
-            shape, prec, d = k.split("|")
-            out.append((shape, prec, d, v))
-        return out
 
 
 def machine_fingerprint(backend: str) -> str:
@@ -143,15 +135,3 @@ def measure(
         tmp.replace(path)
     log.info("precision_costs_measured", backend=backend, rows=rows, measured=added, cached=len(table.ms) - 2 * added)
     return table
-
-
-def layer_costs(table: CostTable, shapes: Mapping[str, tuple[int, int]], precisions: Iterable[str]) -> dict[str, float]:
-    """``"<layer>|<precision>|<dir>" -> ms`` for every layer from the per-shape table (missing entries omitted)."""
-    out = {}
-    for n, shape in shapes.items():
-        for p in precisions:
-            for d in ("fwd", "bwd"):
-                k = CostTable.key(shape, p, d)
-                if k in table.ms:
-                    out[f"{n}|{p}|{d}"] = table.ms[k]
-    return out

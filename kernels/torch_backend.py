@@ -40,8 +40,6 @@ class TorchFrozenLinear:
 
     def _dense(self, precision: str) -> Tensor:
         w, s = self._store[precision]
-        if precision == "bf16":
-            return w
         if s is None:
             return w.float() if w.dtype != torch.float32 else w
         return w.float() * s[:, None]
@@ -76,8 +74,6 @@ def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:
 def _act(a: Tensor, precision: str) -> Tensor:
     if precision == "fp32":
         return a
-    if precision == "bf16":
-        return a.to(torch.bfloat16).float()
     if precision == "fp16":
         return a.to(torch.float16).float()
     return fake_quant_act(a, ACT_BITS[precision])

@@ -23,7 +23,7 @@ PLAN_CACHE = "plans"  # under the cache root: plan-<key>.json and costs-<machine
 
 # Calibration text for planning. Sensitivity belongs to the base model, backend and adapter shape, not to one
 # night's notes, so the planner measures on this fixed text (with a fixed-seed adapter) and the plan is cached per
-# (model hash, backend, menu, targets, rank, sequence bucket) and reused by every job and dataset.
+# (model hash, backend, menu, budget, targets, rank, alpha, sequence bucket) and reused by every job and dataset.
 CALIBRATION_TEXT = (
     "Every morning before work I walk the dog along the river, then make coffee and read the news. On Tuesdays I "
     "meet my sister for lunch; she teaches biology at the high school and tells me about her students. Last week "
@@ -41,7 +41,7 @@ class JobPlan:
 
     plan: Any  # lorad.kernels.PrecisionPlan
     sha256: str  # of the bytes of work_dir/precision_plan.json
-    reused: bool  # read from work_dir on resume (never replanned)
+    reused: bool  # not planned for this job: the job's own plan on resume, or the plan cache's
 
     def layers(self) -> tuple[tuple[str, str, str], ...]:
         """(layer, forward precision, backward precision) for every planned layer."""
