@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from lorad.server.backend import BackendDecision
 from lorad.server.errors import FailedPrecondition, InvalidArgument
 
 log = structlog.get_logger(__name__)
@@ -53,12 +54,13 @@ class ModelHost:
         default_model: str,
         model_dirs: tuple[str, ...],
         cache_root: Path,
-        backend: str,
+        backend: BackendDecision,
         loader: Callable[..., Any] | None = None,
     ) -> None:
-        """``loader`` has ``lorad.server.engine.models.load_model``'s signature (default: that function)."""
+        """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.models.load_model``'s signature
+        (default: that function)."""
         self.cache_root = cache_root
-        self.backend_override = backend
+        self.backend = backend
         self.loader = loader
         entries: list[ModelEntry] = []
         if default_model:
@@ -119,11 +121,10 @@ class ModelHost:
         with self._lock:
             if e.name not in self._loaded:
                 import_engine()
-                from lorad.kernels import detect_backend
                 from lorad.server.engine.models import load_model
                 from lorad.server.engine.training.recipe import resolve_precision
 
-                info = detect_backend(self.backend_override)
+                info = self.backend.info
                 try:
                     self._loaded[e.name] = (self.loader or load_model)(
                         e.source,

@@ -11,6 +11,7 @@ import structlog
 from lorad.server.adapters import AdapterLibrary
 from lorad.server.apps import AppRegistry
 from lorad.server.auth import Authenticator, ensure_owner_token
+from lorad.server.backend import BackendDecision, decide_backend
 from lorad.server.config import Config
 from lorad.server.data import AppData
 from lorad.server.device.conditions import Verdict, evaluate
@@ -55,6 +56,7 @@ class Services:
     data: AppData
     library: AdapterLibrary
     reserve: SpaceReserve
+    backend: BackendDecision  # the one backend decision of this daemon (status, CreateJob, jobs, inference)
     on_forget: list[Callable[[str], None]] = field(default_factory=list)  # per-app in-memory caches to drop
     streams: OpenStreams = field(default_factory=OpenStreams)  # open streaming calls, ended on revocation
 
@@ -85,13 +87,13 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
     hub = EventHub()
     cache_root = data / "cache"
     t = cfg.training
-    models = ModelHost(t.default_model, t.model_dirs, cache_root, t.backend)
-    backend, loader = t.backend, None
+    backend = decide_backend(t.backend, qnn_bundle=bool(t.qnn_bundle))
+    models = ModelHost(t.default_model, t.model_dirs, cache_root, backend)
+    loader = None
     if t.qnn_bundle:  # checked before anything runs: a wrong bundle stops the start with a clear error
         from lorad.server.qnn_bundle import bundle_loader, open_bundle
 
         loader = bundle_loader(open_bundle(t.qnn_bundle, models.default, cache_root))
-        backend = "qnn-htp"
         models = ModelHost(t.default_model, t.model_dirs, cache_root, backend, loader=loader)
     if factory is None:
         from lorad.server.jobs.engine import engine_factory
@@ -140,15 +142,13 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         AppData(apps, samples),
         AdapterLibrary(adapters, layout, models, cfg.storage.export_cache_max_mb * 1024 * 1024),
         SpaceReserve(data),
+        backend,
     )
 
 
-def job_backend(job: Job, configured: str) -> tuple[str, str]:
-    """(backend, why) a job will train on: its own choice, else the configured one, with any fallback's reason."""
-    from lorad.kernels import detect_backend
-
-    p = job.spec.params.backend
-    info = detect_backend(p if p != "auto" else configured)
+def job_backend(job: Job, decision: BackendDecision) -> tuple[str, str]:
+    """(backend, why) a job trains on: its own choice if this device runs it, else the daemon's decision."""
+    info = decision.for_job(job.spec.params.backend)
     return info.name, info.reason
 
 

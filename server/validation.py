@@ -233,8 +233,12 @@ def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParam
     )  # fmt: skip
 
 
-def check_precision_for_backend(params: TrainingParams, daemon_backend: str, field: str = "config") -> None:
+def check_precision_for_backend(params: TrainingParams, backend: str, field: str = "config") -> None:
     """A precision the job's backend cannot run is refused at CreateJob, not as a FAILED job later.
+
+    Args:
+        params: the job's parameters.
+        backend: the backend the job will train on (the daemon's ``BackendDecision.for_job``).
 
     Raises:
         InvalidArgument: naming ``config.precision``, the backend and what it runs (from the capability table).
@@ -243,7 +247,6 @@ def check_precision_for_backend(params: TrainingParams, daemon_backend: str, fie
         return
     from lorad.kernels.capabilities import capability
 
-    backend = params.backend if params.backend != "auto" else daemon_backend
     cap = capability(backend)
     if params.precision not in cap.precisions:
         raise InvalidArgument(

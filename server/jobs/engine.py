@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from lorad.server.backend import BackendDecision
 from lorad.server.domain import DataSummary, Phase, Progress, SampleBody
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcome, SessionRequest, SessionSink
 from lorad.server.modelhost import ModelHost, import_engine
@@ -83,17 +84,18 @@ def start_from_adapter(loaded: Any, path: Path) -> None:
 class EngineSession:
     """One RUNNING period of a job on the real trainer (resumes from the newest checkpoint in the work dir)."""
 
-    def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend_override: str,
+    def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend: BackendDecision,
                  loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
-        """``loader`` has ``lorad.server.engine.models.load_model``'s signature (None: the engine's own loader)."""
-        self.req, self.models, self.cache_root, self.backend_override = req, models, cache_root, backend_override
+        """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.models.load_model``'s signature
+        (None: the engine's own loader)."""
+        self.req, self.models, self.cache_root = req, models, cache_root
+        self.backend = backend.for_job(req.spec.params.backend)  # what this job trains on, and why
         self.loader = loader
 
     def _train_config(self) -> Any:
         from lorad.server.engine.training import ConfigError, TrainConfig
 
         p = self.req.spec.params
-        backend = p.backend if p.backend != "auto" else self.backend_override
         targets = tuple(t.removesuffix("_proj") for t in p.target_modules)  # the trainer names them q, k, …
         try:
             return TrainConfig(
@@ -103,8 +105,8 @@ class EngineSession:
                 min_lr_ratio=0.1 if p.lr_schedule == "cosine" else 0.0,  # the API's cosine decays to 10% of peak
                 weight_decay=p.weight_decay, max_grad_norm=p.max_grad_norm, eval_every=p.eval_every_steps,
                 eval_fraction=p.eval_fraction, checkpoint_every=p.checkpoint_every_steps,
-                keep_checkpoints=self.req.keep_checkpoints, seed=p.seed, backend=backend, precision=p.precision,
-                freeze_lora_a=p.freeze_lora_a,
+                keep_checkpoints=self.req.keep_checkpoints, seed=p.seed, backend=self.backend.name,
+                precision=p.precision, freeze_lora_a=p.freeze_lora_a,
             )  # fmt: skip
         except ConfigError as exc:
             raise JobFailure("invalid_config", "; ".join(exc.errors)) from None
@@ -112,14 +114,13 @@ class EngineSession:
     def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
         """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
         import_engine()
-        from lorad.kernels import detect_backend
         from lorad.server.engine.training import DataError, prepare, run_recipe
         from lorad.server.engine.training.checkpoint import CheckpointError, list_checkpoints
         from lorad.server.engine.training.checkpoint import latest as latest_checkpoint
 
         cfg = self._train_config()
         entry = self.models.entry(self.req.spec.params.base_model)
-        info = detect_backend(cfg.backend)
+        info = self.backend
         sink.backend(info.name, info.reason)
         ckpt_dir = self.req.work_dir / "checkpoints"
         reported = {c.path for c in list_checkpoints(ckpt_dir)} if ckpt_dir.is_dir() else set()
@@ -207,7 +208,7 @@ class EngineSession:
             res = run_recipe(
                 cfg, samples, work_dir=self.req.work_dir, cache_root=self.cache_root, model_source=entry.source,
                 on_progress=on_progress, should_pause=should_stop, load=self.loader, save_adapter=save,
-                on_phase=on_phase, on_loaded=on_loaded,
+                on_phase=on_phase, on_loaded=on_loaded, backend=info,
             )  # fmt: skip
         except DataError as exc:
             raise JobFailure("no_usable_samples", str(exc)) from None
@@ -239,7 +240,7 @@ class EngineSession:
         return SessionOutcome(completed=True, adapter=art)
 
 
-def engine_factory(models: ModelHost, cache_root: Path, backend_override: str, torch_threads: int = 0,
+def engine_factory(models: ModelHost, cache_root: Path, backend: BackendDecision, torch_threads: int = 0,
                    loader: Callable[..., Any] | None = None) -> Callable[[SessionRequest], EngineSession]:  # fmt: skip
     """The SessionFactory the daemon uses; ``torch_threads`` > 0 caps torch's intra-op threads (process-wide).
 
@@ -249,4 +250,4 @@ def engine_factory(models: ModelHost, cache_root: Path, backend_override: str, t
         import torch
 
         torch.set_num_threads(torch_threads)
-    return lambda req: EngineSession(req, models, cache_root, backend_override, loader)
+    return lambda req: EngineSession(req, models, cache_root, backend, loader)

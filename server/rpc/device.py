@@ -29,9 +29,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         self.s = s
 
     def _status(self, app_id: str | None) -> device_pb2.GetDeviceStatusResponse:
-        from lorad.kernels import detect_backend
-
-        info = detect_backend(self.s.cfg.training.backend)
+        info = self.s.backend.info
         backend = device_pb2.BackendStatus(
             backend=cv.BACKEND_ENUMS.get(info.name, 0),
             reason=info.reason,

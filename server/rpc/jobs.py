@@ -38,9 +38,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self.s.models.entry(params.base_model)
         lora_given = bool(config.lora.rank or config.lora.alpha or config.lora.target_modules)
         params = with_init_adapter(self.s, app_id, params, lora_given=lora_given)
-        from lorad.kernels import detect_backend  # the daemon probed it at start; cached
-
-        v.check_precision_for_backend(params, detect_backend(self.s.models.backend_override).name)
+        v.check_precision_for_backend(params, self.s.backend.for_job(params.backend).name)
         reqs = v.build_requirements(cv.requirements_raw(requirements), self.s.default_requirements)
         win = v.build_window(window.cron, window.jitter_seconds, window.timezone) if has_window else None
         return JobSpec(ids, params, reqs, win)

@@ -35,6 +35,7 @@ class DaemonHandle:
         factory: Any = None,
         probe_values: dict[str, Any] | None = None,
         device: dict[str, Any] | None = None,
+        training: dict[str, Any] | None = None,
         **conditions: Any,
     ) -> None:
         from lorad.server.daemon import Daemon
@@ -46,7 +47,7 @@ class DaemonHandle:
             "storage": {"data_dir": str(data_dir)},
             "server": {"tcp_address": "127.0.0.1:0" if tcp else "", "shutdown_grace_seconds": 1.0},
             "conditions": {"probe": "file", "probe_file": str(self.probe_file), "poll_seconds": 0.1, **conditions},
-            "training": {"default_model": str(model_dir), "backend": "torch"},
+            "training": {"default_model": str(model_dir), "backend": "torch", **(training or {})},
             "logging": {"level": "warning"},
             "device": device or {},
         }, env={})  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import structlog
 import torch
 
+from lorad.kernels.detect import BackendInfo
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
@@ -55,6 +56,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def resolve_backend(backend: str) -> BackendInfo:
+    """The backend a run nobody decided for trains on (bench, tests; the daemon decides once and passes its answer):
+    ``backend`` itself if this machine can load it, else the automatic choice, with the reason."""
+    from lorad.kernels import detect_backend
+
+    return detect_backend(backend)
+
+
 def resolve_precision(precision: str, backend: str) -> str:
     """The precision a model is loaded at: `precision` itself, or for "auto" the backend's reference precision (the
     planner then lowers each layer as far as the measured LoRA-gradient drift and the measured cost allow)."""
@@ -90,6 +99,7 @@ def run_recipe(
     save_adapter: Callable[[Any, Path, dict[str, Any]], Path] = save_adapter_files,
     on_phase: PhaseCallback | None = None,
     on_loaded: Callable[[Any], None] | None = None,
+    backend: BackendInfo | None = None,
 ) -> RecipeResult:
     """Trains a LoRA adapter on `samples`, resuming from the newest checkpoint in `work_dir` if there is one.
 
@@ -106,17 +116,19 @@ def run_recipe(
         on_phase: told when the run enters a phase (see `PhaseCallback`); called on the training thread.
         on_loaded: called with the LoadedModel once it is built at its final precisions, before any checkpoint is
             restored (its adapter is the fresh one: B = 0, so it computes the base model's loss).
+        backend: the backend decided by the caller (the daemon), used as given; None resolves ``cfg.backend`` here.
 
     Returns:
         The result; status "completed" (adapter saved) or "paused" (checkpoint saved).
     """
     # -- setup ---------------------------------------------------------------------------------------------------
-    from lorad.kernels import detect_backend
     from lorad.server.engine.models import LoraConfig
 
+    if backend is not None and cfg.backend not in ("auto", backend.name):
+        raise ValueError(f"cfg.backend={cfg.backend!r} but the decided backend is {backend.name!r}")
     phase = on_phase or _no_phase
     phase("loading", None)
-    info = detect_backend(cfg.backend)
+    info = backend or resolve_backend(cfg.backend)
     precision = resolve_precision(cfg.precision, info.name)
     seed_everything(cfg.seed)
     lora = LoraConfig(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=cfg.targets)

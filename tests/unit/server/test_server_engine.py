@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from lorad.server.backend import decide_backend
 from lorad.server.domain import (
     DataSummary,
     JobSpec,
@@ -85,8 +86,9 @@ def _session(tiny: Path, work: Path, before: float | None, steps: int = 3, sampl
     p.update(kw)
     spec = JobSpec(("ds",), TrainingParams(**p), Requirements(False, 0, 80.0, False))  # type: ignore[arg-type]
     req = SessionRequest("job_x", "app", spec, samples or _samples(), work, 2, before)
-    models = ModelHost(str(tiny), (), work.parent / "cache", "torch")
-    return EngineSession(req, models, work.parent / "cache", "torch")
+    decision = decide_backend("torch")
+    models = ModelHost(str(tiny), (), work.parent / "cache", decision)
+    return EngineSession(req, models, work.parent / "cache", decision)
 
 
 def _run(tiny: Path, work: Path, before: float | None, steps: int = 3, **kw: Any) -> tuple[RecordingSink, Any]:
