@@ -125,7 +125,6 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
         InvalidArgument: not a PEFT adapter lorad can load.
     """
     from lorad.server.engine.adapters import AdapterMetadata, load_adapter
-    from lorad.server.engine.models.config import TARGET_TO_HF
     from lorad.server.engine.models.loader import portable_base_name, resolve
 
     quota = s.apps.get(app_id).quota
@@ -176,7 +175,7 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
             rank=lora.rank,
             alpha=lora.alpha,
             dropout=lora.dropout,
-            target_modules=tuple(TARGET_TO_HF[t][1] for t in lora.targets),
+            target_modules=tuple(lora.targets),
             steps=0,
             eval_loss_before=float("nan"),
             eval_loss_after=float("nan"),

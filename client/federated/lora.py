@@ -14,17 +14,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-# Short target names (lorad's TrainConfig) -> (HF block, PEFT module name), as lorad.server.engine.models.config.
-TARGETS = {
-    "q": ("self_attn", "q_proj"),
-    "k": ("self_attn", "k_proj"),
-    "v": ("self_attn", "v_proj"),
-    "o": ("self_attn", "o_proj"),
-    "gate": ("mlp", "gate_proj"),
-    "up": ("mlp", "up_proj"),
-    "down": ("mlp", "down_proj"),
-}
-PEFT_NAMES = {hf: short for short, (_, hf) in TARGETS.items()}
+# PEFT module name -> its HF block, in block order (as lorad.server.engine.models.config.TARGET_TO_HF; the SDK does
+# not import the daemon).
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+PEFT_NAMES = tuple(TARGETS)
 _PREFIX = "base_model.model."
 MAX_TAR_BYTES = 256 * 1024 * 1024  # ImportAdapter's limit
 
@@ -90,8 +84,7 @@ def module_shapes(model_config: Mapping[str, Any], targets: tuple[str, ...]) -> 
     }
     out: dict[str, tuple[int, int]] = {}
     for i in range(int(c["num_hidden_layers"])):
-        for short, (block, hf) in TARGETS.items():
-            del short
+        for hf, block in TARGETS.items():
             if hf in targets:
                 out[f"model.layers.{i}.{block}.{hf}"] = dims[hf]
     return out

@@ -96,10 +96,9 @@ class EngineSession:
         from lorad.server.engine.training import ConfigError, TrainConfig
 
         p = self.req.spec.params
-        targets = tuple(t.removesuffix("_proj") for t in p.target_modules)  # the trainer names them q, k, …
         try:
             return TrainConfig(
-                rank=p.rank, alpha=p.alpha, dropout=p.dropout, targets=targets, lr=p.learning_rate,
+                rank=p.rank, alpha=p.alpha, dropout=p.dropout, targets=p.target_modules, lr=p.learning_rate,
                 steps=p.max_steps, batch_size=p.batch_size, seq_len=p.seq_len, grad_accum=p.grad_accum_steps,
                 warmup_steps=p.warmup_steps, schedule=p.lr_schedule,
                 min_lr_ratio=0.1 if p.lr_schedule == "cosine" else 0.0,  # the API's cosine decays to 10% of peak

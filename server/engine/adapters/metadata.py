@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorad.server.engine.models.config import hf_targets
+
 METADATA_FILE = "lorad_metadata.json"
 METADATA_VERSION = 1
 
@@ -19,7 +21,7 @@ class AdapterMetadata:
     tokenizer_hash: str = field(metadata={"help": "content hash of the tokenizer + chat template"})
     rank: int
     alpha: float
-    targets: tuple[str, ...] = field(metadata={"help": "short names among q,k,v,o,gate,up,down"})
+    targets: tuple[str, ...] = field(metadata={"help": "HF module names among q_proj … down_proj"})
     arch: str = "llama"
     precision_plan: dict[str, Any] | str = field(default="fp32", metadata={"help": "plan JSON or one precision"})
     backend: str = "torch"
@@ -53,5 +55,5 @@ class AdapterMetadata:
         if missing:
             raise ValueError(f"adapter metadata lacks {missing}; was it written by lorad?")
         kw = {k: v for k, v in d.items() if k in names}
-        kw["targets"] = tuple(kw["targets"])
+        kw["targets"] = hf_targets(kw["targets"])  # files written before HF names carry q, k, …, down
         return cls(**kw)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lorad.server.engine.adapters.metadata import METADATA_FILE, AdapterMetadata
 from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
-from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig
+from lorad.server.engine.models.config import LORA_TARGETS, LoraConfig
 from lorad.server.engine.models.model import AdapterWeights, CausalLM
 
 log = structlog.get_logger(__name__)
@@ -22,7 +22,6 @@ log = structlog.get_logger(__name__)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
-_SHORT_OF_HF = {hf: short for short, (_, hf) in TARGET_TO_HF.items()}
 
 
 class AdapterBaseMismatchError(ValueError):
@@ -88,7 +87,7 @@ def peft_config(lora: LoraConfig, base_name_or_path: str = "") -> dict[str, Any]
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(TARGET_TO_HF[t][1] for t in lora.targets),
+        "target_modules": sorted(lora.targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -145,7 +144,7 @@ def _lora_from_peft(cfg: dict[str, Any], path: Path) -> LoraConfig:
     if isinstance(tm, str):
         problems.append(f"target_modules as a regex ({tm!r}) is not supported; list module names")
         tm = []
-    unknown = [t for t in tm if t not in _SHORT_OF_HF]
+    unknown = [t for t in tm if t not in LORA_TARGETS]
     if unknown:
         problems.append(f"target_modules {unknown} are not Llama/Qwen projections")
     if problems:
@@ -154,7 +153,7 @@ def _lora_from_peft(cfg: dict[str, Any], path: Path) -> LoraConfig:
         rank=int(cfg["r"]),
         alpha=float(cfg["lora_alpha"]),
         dropout=float(cfg.get("lora_dropout", 0.0)),
-        targets=tuple(t for t in TARGET_TO_HF if TARGET_TO_HF[t][1] in tm),
+        targets=tuple(t for t in LORA_TARGETS if t in tm),
     )
 
 

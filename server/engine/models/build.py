@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lorad.kernels import LoRALinear, make_frozen_linear
-from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
+from lorad.server.engine.models.config import LoraConfig, ModelConfig
 from lorad.server.engine.models.model import MLP, Attention, Block, CausalLM, Linear
 
 log = structlog.get_logger(__name__)
@@ -86,7 +86,6 @@ def build_model(
         return weights[key].detach().to(torch.float32).contiguous()
 
     targets = set(lora.targets) if lora else set()
-    short_of = {hf: short for short, (_, hf) in TARGET_TO_HF.items()}
 
     def linear(name: str, bias: bool = False) -> Linear:
         fwd, bwd = layer_precision(precision, name)
@@ -100,8 +99,7 @@ def build_model(
             cache_dir=cache_dir,
             model_hash=model_hash,
         )
-        short = short_of.get(name.rsplit(".", 1)[-1])
-        rank = lora.rank if lora and short in targets else 0
+        rank = lora.rank if lora and name.rsplit(".", 1)[-1] in targets else 0
         mod = LoRALinear(frozen, rank, lora.alpha if lora else 1.0, lora.dropout if lora else 0.0)
         return Linear(frozen, mod, name, rank)
 

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-"""Short names of the linear layers a LoRA adapter may target."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Hugging Face names of the linear layers a LoRA adapter may target (PEFT's ``target_modules``)."""
 
-# Short target name -> (HF submodule, HF projection name).
-TARGET_TO_HF = {
-    "q": ("self_attn", "q_proj"),
-    "k": ("self_attn", "k_proj"),
-    "v": ("self_attn", "v_proj"),
-    "o": ("self_attn", "o_proj"),
-    "gate": ("mlp", "gate_proj"),
-    "up": ("mlp", "up_proj"),
-    "down": ("mlp", "down_proj"),
-}
+# Target -> (HF submodule, HF projection name), in block order.
+TARGET_TO_HF = {t: ("self_attn" if t in LORA_TARGETS[:4] else "mlp", t) for t in LORA_TARGETS}
+# The short names lorad wrote before it used HF names everywhere (adapter metadata, checkpoints, plan-cache keys);
+# only ever read, through hf_targets.
+LEGACY_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+                  "down": "down_proj"}  # fmt: skip
+
+
+def hf_targets(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` as HF module names: a legacy short name (``q`` … ``down``) read from older files is mapped."""
+    return tuple(LEGACY_TARGETS.get(n, n) for n in names)
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class LoraConfig:
     rank: int = field(default=8, metadata={"help": "LoRA rank r"})
     alpha: float = field(default=16.0, metadata={"help": "LoRA alpha; scale = alpha / rank"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input path, training only"})
-    targets: tuple[str, ...] = field(default=LORA_TARGETS, metadata={"help": "subset of q,k,v,o,gate,up,down"})
+    targets: tuple[str, ...] = field(default=LORA_TARGETS, metadata={"help": "subset of q_proj … down_proj"})
 
     def __post_init__(self) -> None:
         errors = []

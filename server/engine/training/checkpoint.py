@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from lorad.server.engine.models.atomic import atomic_write as _atomic_write
+from lorad.server.engine.models.config import hf_targets
 
 log = structlog.get_logger(__name__)
 
@@ -169,6 +170,8 @@ def load(path: Path, *, expect: dict[str, Any] | None = None) -> dict[str, Any]:
         raise CheckpointError(f"{path} holds step {state['step']}, its name says {int(m.group(1))}")
     problems: list[str] = []
     expect = expect or {}
+    if isinstance(state["config"].get("targets"), list):  # checkpoints written before HF names hold q, k, …
+        state["config"]["targets"] = list(hf_targets(state["config"]["targets"]))
     for k, v in expect.get("config", {}).items():
         got = state["config"].get(k)
         if got != v:

@@ -6,8 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# Short linear names, as in lorad.server.engine.models.LORA_TARGETS (PEFT names are q_proj, ..., down_proj).
-DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+from lorad.server.engine.models.config import LORA_TARGETS, hf_targets
+
+DEFAULT_TARGETS = LORA_TARGETS  # every projection, by its Hugging Face name
 SCHEDULES = ("cosine", "linear", "constant")
 CLIP_MODES = ("global", "per_layer")
 BACKENDS = ("auto", "torch", "ort-cpu", "qnn-htp")
@@ -107,7 +108,7 @@ class TrainConfig:
         unknown = sorted(set(d) - names)
         kwargs = {k: v for k, v in d.items() if k in names}
         if "targets" in kwargs and isinstance(kwargs["targets"], list):
-            kwargs["targets"] = tuple(kwargs["targets"])
+            kwargs["targets"] = hf_targets(kwargs["targets"])  # a dict written before HF names may say q, k, …
         errors = [f"unknown key {k!r}; known keys: {', '.join(sorted(names))}" for k in unknown]
         try:
             cfg = cls(**kwargs)

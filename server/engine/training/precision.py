@@ -67,16 +67,23 @@ def seq_bucket(seq_len: int) -> int:
     return b
 
 
-def plan_cache_key(model_hash: str, backend: str, cfg: TrainConfig) -> dict[str, Any]:
-    """Everything that decides a job's plan; the data, the seed and the learning schedule do not."""
+def plan_cache_key(model_hash: str, backend: str, cfg: TrainConfig, *, legacy: bool = False) -> dict[str, Any]:
+    """Everything that decides a job's plan; the data, the seed and the learning schedule do not.
+
+    ``legacy`` names the targets as lorad did before it used HF names (``q`` … ``down``): the key of plans cached
+    by older versions, read once and re-stored under the current key.
+    """
     from lorad.kernels.capabilities import capability
     from lorad.kernels.plan_cache import plan_key
+    from lorad.server.engine.models.config import LEGACY_TARGETS
 
     cap = capability(backend)
+    short = {hf: s for s, hf in LEGACY_TARGETS.items()}
+    targets = sorted(short[t] if legacy else t for t in cfg.targets)
     return plan_key(
         model_hash=model_hash, backend=backend, candidates=cap.planner_menu(), budget=cfg.precision_budget,
         reference=cap.reference, mode="fast", cost="measured",
-        extra={"rank": cfg.rank, "alpha": cfg.alpha, "targets": sorted(cfg.targets), "bucket": seq_bucket(cfg.seq_len)},
+        extra={"rank": cfg.rank, "alpha": cfg.alpha, "targets": targets, "bucket": seq_bucket(cfg.seq_len)},
     )  # fmt: skip
 
 
@@ -94,12 +101,18 @@ def known_plan(
     Raises:
         CheckpointError: resuming without a readable plan file for this backend.
     """
-    from lorad.kernels.plan_cache import cache_path, read_cached
+    from lorad.kernels.plan_cache import cache_path, read_cached, write_cached
 
     if resuming:
         return read_job_plan(work_dir, backend)
     key = plan_cache_key(model_hash, backend, cfg)
     plan = read_cached(cache_path(cache_root / PLAN_CACHE, key), key)
+    if plan is None:  # cached by a lorad that named targets q, k, …: the same plan, re-stored under today's key
+        old = plan_cache_key(model_hash, backend, cfg, legacy=True)
+        if (old_path := cache_path(cache_root / PLAN_CACHE, old)).is_file():
+            plan = read_cached(old_path, old)
+            if plan is not None:
+                write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
     return None if plan is None else _persist(work_dir, plan, reused=True)
 
 

@@ -47,7 +47,7 @@ def test_lorad_loads_peft_adapter(tmp_path: Path) -> None:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    t = make_trained(tmp_path, "llama", targets=("q", "v", "down"))
+    t = make_trained(tmp_path, "llama", targets=("q_proj", "v_proj", "down_proj"))
     pm = get_peft_model(
         _hf(t.hf_dir), PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     )
@@ -57,7 +57,7 @@ def test_lorad_loads_peft_adapter(tmp_path: Path) -> None:
                 p.normal_(0, 0.1)
     pm.save_pretrained(tmp_path / "peft_ad")
     ad = load_adapter(tmp_path / "peft_ad")
-    assert ad.metadata is None and ad.lora.targets == ("q", "v", "down")
+    assert ad.metadata is None and ad.lora.targets == ("q_proj", "v_proj", "down_proj")
     apply_adapter(t.lm.model, ad, model_hash=t.lm.model_hash, tokenizer_hash=t.lm.tokenizer_hash)
     with torch.no_grad():
         ref = pm.eval()(IDS).logits

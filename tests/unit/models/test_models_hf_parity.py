@@ -74,7 +74,8 @@ def test_base_loss_matches_transformers(hf_dirs: dict[str, Path]) -> None:
 
 def test_lora_groups_ordered_and_state_dict_names(hf_dirs: dict[str, Path]) -> None:
     path = hf_dirs["llama"]
-    model = build_model(read_config(path), read_weights(path), lora=LoraConfig(rank=2, alpha=4, targets=("q", "v")))
+    lora = LoraConfig(rank=2, alpha=4, targets=("q_proj", "v_proj"))
+    model = build_model(read_config(path), read_weights(path), lora=lora)
     groups = model.lora_groups()
     assert [g for g, _ in groups] == ["model.layers.0", "model.layers.1"]
     assert all(len(ps) == 4 for _, ps in groups)  # q and v, A and B each

@@ -28,7 +28,7 @@ def test_assembled_model_uses_the_given_linears_and_matches_build_model(tmp_path
         n: make_frozen_linear(w.float(), weights.get(n + ".bias"), backend="torch", precision="fp32", name=n)
         for n, w in src.items()
     }
-    lora = LoraConfig(rank=2, alpha=4.0, dropout=0.0, targets=("q", "v"))
+    lora = LoraConfig(rank=2, alpha=4.0, dropout=0.0, targets=("q_proj", "v_proj"))
     model = assemble(cfg, weights, linears, lora)
     for m in model.modules():
         if isinstance(m, Linear):
@@ -64,7 +64,7 @@ def test_daemon_builds_the_default_model_from_a_real_bundle(tmp_path: Path, monk
     monkeypatch.setenv("LORAD_QNN_HTP_ARCH", "75")
     pb = open_bundle(str(bundle), ModelEntry("m", folder, True), tmp_path / "cache")
     load = bundle_loader(pb)
-    lora = LoraConfig(rank=2, alpha=4.0, dropout=0.0, targets=("q", "v"))
+    lora = LoraConfig(rank=2, alpha=4.0, dropout=0.0, targets=("q_proj", "v_proj"))
     loaded = load(folder, cache_root=tmp_path / "cache", backend="qnn-htp", precision="fp16", lora=lora)
     assert loaded.model.embed_tokens.dtype == torch.float16, "fp16 head: the lookup table is kept in fp16"
     lins = [m.frozen for m in loaded.model.modules() if isinstance(m, Linear)]

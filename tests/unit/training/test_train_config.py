@@ -26,7 +26,7 @@ def test_type_errors_named() -> None:
 
 
 def test_from_dict_unknown_key_and_roundtrip() -> None:
-    c = TrainConfig(rank=4, targets=("q", "down"))
+    c = TrainConfig(rank=4, targets=("q_proj", "down_proj"))
     assert TrainConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ConfigError) as ei:
         TrainConfig.from_dict({"rnak": 4, "seq_len": 2})

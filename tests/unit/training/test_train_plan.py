@@ -14,11 +14,13 @@ from safetensors.torch import save_file
 from lorad import kernels
 from lorad.kernels import PrecisionPlan, costs
 from lorad.kernels.capabilities import cpu_bf16
+from lorad.kernels.plan_cache import cache_path
 from lorad.server.engine.models import build_model
+from lorad.server.engine.models.config import LEGACY_TARGETS
 from lorad.server.engine.training import recipe
 from lorad.server.engine.training.checkpoint import CheckpointError
 from lorad.server.engine.training.config import ConfigError, TrainConfig
-from lorad.server.engine.training.precision import PLAN_FILE
+from lorad.server.engine.training.precision import PLAN_CACHE, PLAN_FILE, plan_cache_key
 from tests.fixtures.tiny_lm import CharTokenizer
 from tests.unit.training.test_train_recipe import CFG, MCFG, SAMPLES, _weights
 
@@ -147,3 +149,18 @@ def test_torch_auto_plans_bf16_where_native_and_explicit_precision_is_one_layout
 def test_precision_budget_is_validated(budget: Any) -> None:
     with pytest.raises(ConfigError, match="precision_budget"):
         TrainConfig(precision_budget=budget)
+
+
+def test_a_plan_cached_under_the_short_name_key_is_reused_and_restored(tmp_path: Path, plan_calls: list[int]) -> None:
+    cache = tmp_path / "cache"
+    ref = _run(tmp_path / "first", cache)
+    assert plan_calls == [1]
+    new_key, old_key = plan_cache_key("tiny", "ort-cpu", AUTO), plan_cache_key("tiny", "ort-cpu", AUTO, legacy=True)
+    assert old_key["extra"]["targets"] == sorted(LEGACY_TARGETS) and new_key != old_key
+    new_path, old_path = cache_path(cache / PLAN_CACHE, new_key), cache_path(cache / PLAN_CACHE, old_key)
+    doc = json.loads(new_path.read_text())
+    new_path.unlink()
+    old_path.write_text(json.dumps({"key": old_key, "plan": doc["plan"]}))  # what an older lorad left in the cache
+    r = _run(tmp_path / "second", cache)
+    assert plan_calls == [1], "the legacy entry served the plan: no planning"
+    assert r.precision_plan == ref.precision_plan and new_path.is_file()
