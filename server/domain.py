@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from lorad.server.engine.training.config import TrainConfig
+
 
 class JobState(enum.StrEnum):
     """Lifecycle of a job (see jobs.proto for the diagram)."""
@@ -132,34 +134,6 @@ class AppendResult:
 
 
 @dataclass(frozen=True)
-class TrainingParams:
-    """TrainingConfig with every default filled in."""
-
-    base_model: str = ""
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    max_steps: int = 100
-    learning_rate: float = 2e-4
-    batch_size: int = 1
-    seq_len: int = 256
-    grad_accum_steps: int = 1
-    warmup_steps: int = 0
-    lr_schedule: str = "cosine"
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    eval_every_steps: int = 25
-    checkpoint_every_steps: int = 50
-    seed: int = 0
-    backend: str = "auto"
-    precision: str = "auto"
-    eval_fraction: float = 0.1
-    init_adapter_id: str = ""  # start from this adapter of the app (its rank, alpha and targets)
-    freeze_lora_a: bool = False  # FFA-LoRA: only B trains
-
-
-@dataclass(frozen=True)
 class Requirements:
     """Device conditions a job needs, defaults filled in."""
 
@@ -183,9 +157,11 @@ class JobSpec:
     """What a job trains on and how; its hash decides request_id idempotency."""
 
     dataset_ids: tuple[str, ...]
-    params: TrainingParams
+    params: TrainConfig  # the job's training settings, every default filled in (the engine's own type)
     requirements: Requirements
     window: Window | None = None
+    base_model: str = ""  # model name; "" = the daemon's default model
+    init_adapter_id: str = ""  # start from this adapter of the app (its rank, alpha and targets)
 
 
 class Phase(enum.StrEnum):

@@ -4,27 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 
-from lorad.server.domain import TrainingParams
+from lorad.server.engine.training.config import TrainConfig
 from lorad.server.errors import InvalidArgument
 from lorad.server.services import Services
 
 
-def with_init_adapter(s: Services, app_id: str, params: TrainingParams, *, lora_given: bool) -> TrainingParams:
+def with_init_adapter(s: Services, app_id: str, params: TrainConfig, *, base_model: str, init_adapter_id: str,
+                      lora_given: bool) -> TrainConfig:  # fmt: skip
     """``params`` with the init adapter's rank, alpha and targets (unchanged when there is no init adapter).
 
     Raises:
         NotFound: the adapter is absent or another app's (``config.init_adapter_id``).
         InvalidArgument: the adapter is for another base model, or ``config.lora`` is set and differs from it.
     """
-    if not params.init_adapter_id:
+    if not init_adapter_id:
         return params
-    rec = s.adapters.get(app_id, params.init_adapter_id)
-    base = s.models.entry(params.base_model).name
+    rec = s.adapters.get(app_id, init_adapter_id)
+    base = s.models.entry(base_model).name
     if rec.base_model != base:
         raise InvalidArgument(
             "config.init_adapter_id", f"adapter is for base model {rec.base_model!r}, the job trains {base!r}"
         )
-    if lora_given and (params.rank, params.alpha, sorted(params.target_modules)) != (
+    if lora_given and (params.rank, params.alpha, sorted(params.targets)) != (
         rec.rank,
         rec.alpha,
         sorted(rec.target_modules),
@@ -34,4 +35,4 @@ def with_init_adapter(s: Services, app_id: str, params: TrainingParams, *, lora_
             f"differs from the init adapter's (rank {rec.rank}, alpha {rec.alpha}, "
             f"targets {list(rec.target_modules)}); leave it unset",
         )
-    return dataclasses.replace(params, rank=rec.rank, alpha=rec.alpha, target_modules=tuple(rec.target_modules))
+    return dataclasses.replace(params, rank=rec.rank, alpha=rec.alpha, targets=tuple(rec.target_modules))

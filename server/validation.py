@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import zoneinfo
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lorad.server.domain import Requirements, SampleBody, TrainingParams, Window
+from lorad.server.domain import Requirements, SampleBody, Window
+from lorad.server.engine.training.config import ConfigError, TrainConfig, api_key, api_knobs, job_config
+from lorad.server.engine.training.knobs import Knob
 from lorad.server.errors import InvalidArgument
 
 ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ROLES = ("system", "user", "assistant")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_SAMPLES_PER_CALL = 1000
 MAX_SAMPLE_BYTES = 65_536  # per text / per chat turn, UTF-8 bytes
 MAX_TURNS = 256
@@ -125,115 +127,88 @@ def check_dataset_ids(field: str, ids: Sequence[str]) -> tuple[str, ...]:
     return tuple(ids)
 
 
-def _num(raw: Mapping[str, Any], key: str) -> Any:
-    return raw.get(key) or 0
-
-
-FLOAT_FIELDS = {
-    "alpha": "lora.alpha",
-    "dropout": "lora.dropout",
-    "learning_rate": "learning_rate",
-    "weight_decay": "weight_decay",
-    "max_grad_norm": "max_grad_norm",
-    "eval_fraction": "eval_fraction",
+# The proto enum names a request may use per enum field (the valid names come from the TrainConfig declaration).
+ENUM_HINTS = {
+    "backend": "BACKEND_TORCH, BACKEND_ORT_CPU or BACKEND_QNN_HTP (0 = auto)",
+    "precision": "PRECISION_FP32, PRECISION_BF16, PRECISION_FP16, PRECISION_W8A16 or PRECISION_W8A8 (0 = auto)",
+    "lr_schedule": "LR_SCHEDULE_COSINE, LR_SCHEDULE_LINEAR or LR_SCHEDULE_CONSTANT (0 = cosine)",
 }
-ENUMS = {
-    "backend": (("torch", "ort-cpu", "qnn-htp"), "BACKEND_TORCH, BACKEND_ORT_CPU or BACKEND_QNN_HTP (0 = auto)"),
-    "precision": (
-        ("fp32", "bf16", "fp16", "w8a16", "w8a8"),
-        "PRECISION_FP32, PRECISION_BF16, PRECISION_FP16, PRECISION_W8A16 or PRECISION_W8A8 (0 = auto)",
-    ),
-    "lr_schedule": (
-        ("cosine", "linear", "constant"),
-        "LR_SCHEDULE_COSINE, LR_SCHEDULE_LINEAR or LR_SCHEDULE_CONSTANT (0 = cosine)",
-    ),
-}
-MAX_ALPHA = 4096.0
-MAX_GRAD_NORM = 1e6
 
 
-def _check_finite_and_enums(raw: Mapping[str, Any], field: str) -> None:
-    for key, path in FLOAT_FIELDS.items():
-        val = float(_num(raw, key))
-        if not math.isfinite(val):
-            raise InvalidArgument(f"{field}.{path}", f"{val} is not a finite number")
-    for key, (names, hint) in ENUMS.items():
-        name = str(raw.get(key) or "")
-        if name and name not in names:
-            shown = name.split("#", 1)[-1]
-            raise InvalidArgument(f"{field}.{key}", f"{shown} is not a known value; use {hint}")
+def _given(raw: Mapping[str, Any], name: str, k: Knob, default: Any, field: str) -> Any:
+    """The request's value for one TrainConfig field, or None when it is unset (0 / empty: the job default).
+
+    Raises:
+        InvalidArgument: naming ``<field>.<api path>`` and the valid range or values.
+    """
+    path, key = f"{field}.{k.api}", api_key(k)
+    value = raw.get(key)
+    if isinstance(default, bool):
+        return True if value else None
+    if isinstance(default, tuple):
+        names = tuple(value or ())
+        for i, t in enumerate(names):
+            if t not in k.choices:
+                raise InvalidArgument(f"{path}[{i}]", f"{t[:40]!r} unknown; one of {', '.join(k.choices)}")
+        if len(set(names)) != len(names):
+            raise InvalidArgument(path, "contains duplicates")
+        return names or None
+    if isinstance(default, str):
+        name = str(value or "")
+        if name and name not in k.choices:
+            raise InvalidArgument(path, f"{name.split('#', 1)[-1]} is not a known value; use {ENUM_HINTS[key]}")
+        return name or None
+    v: float = int(value or 0) if isinstance(default, int) else float(value or 0)
+    if not math.isfinite(v):
+        raise InvalidArgument(path, f"{v} is not a finite number")
+    if v == 0:
+        return None
+    if not k.admits(v):
+        doc = k.api_default_doc(default)
+        raise InvalidArgument(path, f"{v:g} out of range; {k.span()}" + (f" (0 = {doc})" if doc != "0" else ""))
+    return v
 
 
-def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainingParams:
-    """TrainingConfig fields (proto names; 0 = default) → TrainingParams with defaults filled in.
+def build_params(raw: Mapping[str, Any], field: str = "config") -> TrainConfig:
+    """TrainingConfig fields (proto names; 0 = the job default) → the job's TrainConfig, every default filled in.
+
+    Bounds, choices and job defaults are TrainConfig's own declarations (``TrainConfig.knobs``).
 
     Raises:
         InvalidArgument: naming e.g. ``config.lora.rank``.
     """
-    d = TrainingParams()
-    _check_finite_and_enums(raw, field)
-    rank = int(_num(raw, "rank")) or d.rank
-    if not 1 <= rank <= 128:
-        raise InvalidArgument(f"{field}.lora.rank", f"{rank} out of range; 1 to 128 (0 = 8)")
-    alpha = float(_num(raw, "alpha")) or 2.0 * rank
-    if not 0 < alpha <= MAX_ALPHA:
-        raise InvalidArgument(f"{field}.lora.alpha", f"{alpha} out of range; > 0 and <= {MAX_ALPHA:g} (0 = 2 * rank)")
-    dropout = float(_num(raw, "dropout"))
-    if not 0 <= dropout <= 0.5:
-        raise InvalidArgument(f"{field}.lora.dropout", f"{dropout} out of range; 0 to 0.5")
-    targets = tuple(raw.get("target_modules") or TARGETS)
-    for i, t in enumerate(targets):
-        if t not in TARGETS:
-            raise InvalidArgument(
-                f"{field}.lora.target_modules[{i}]", f"{t[:40]!r} unknown; one of {', '.join(TARGETS)}"
-            )
-    if len(set(targets)) != len(targets):
-        raise InvalidArgument(f"{field}.lora.target_modules", "contains duplicates")
-    steps = int(_num(raw, "max_steps")) or d.max_steps
-    if not 1 <= steps <= 100_000:
-        raise InvalidArgument(f"{field}.max_steps", f"{steps} out of range; 1 to 100,000 (0 = 100)")
-    lr = float(_num(raw, "learning_rate")) or d.learning_rate
-    if not 0 < lr < 1:
-        raise InvalidArgument(f"{field}.learning_rate", f"{lr} out of range; > 0 and < 1 (0 = 2e-4)")
-    ints = {"batch_size": (1, 64, 1), "seq_len": (16, 4096, 256), "grad_accum_steps": (1, 64, 1)}
-    vals: dict[str, int] = {}
-    for k, (lo, hi, default) in ints.items():
-        v = int(_num(raw, k)) or default
-        if not lo <= v <= hi:
-            raise InvalidArgument(f"{field}.{k}", f"{v} out of range; {lo} to {hi} (0 = {default})")
-        vals[k] = v
-    warmup = int(_num(raw, "warmup_steps"))
-    if warmup >= steps:
-        raise InvalidArgument(f"{field}.warmup_steps", f"{warmup} must be below max_steps={steps}")
-    wd = float(_num(raw, "weight_decay"))
-    if not 0 <= wd <= 1:
-        raise InvalidArgument(f"{field}.weight_decay", f"{wd} out of range; 0 to 1")
-    clip = float(_num(raw, "max_grad_norm"))
-    if not 0 <= clip <= MAX_GRAD_NORM:
-        raise InvalidArgument(f"{field}.max_grad_norm", f"{clip} out of range; 0 to {MAX_GRAD_NORM:g} (0 = 1.0)")
-    eval_fraction = float(_num(raw, "eval_fraction")) or d.eval_fraction
-    if not 0 < eval_fraction <= 0.5:
-        raise InvalidArgument(f"{field}.eval_fraction", f"{eval_fraction} out of range; 0 to 0.5 (0 = 0.1)")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    given: dict[str, Any] = {}
+    for name, k in api_knobs().items():
+        v = _given(raw, name, k, defaults[name], field)
+        if v is not None:
+            given[name] = v
+    steps = given.get("steps", defaults["steps"])
+    if given.get("warmup_steps", 0) >= steps:
+        raise InvalidArgument(f"{field}.warmup_steps", f"{given['warmup_steps']} must be below max_steps={steps}")
+    try:
+        return job_config(given)
+    except ConfigError as exc:  # a rule across fields; every single field was checked above
+        bad = api_knobs().get(exc.errors[0].split("=", 1)[0])
+        raise InvalidArgument(f"{field}.{bad.api}" if bad else field, exc.errors[0]) from None
+
+
+def build_job_model(raw: Mapping[str, Any], field: str = "config") -> tuple[str, str]:
+    """The request's (base_model, init_adapter_id); "" = the default model / no init adapter.
+
+    Raises:
+        InvalidArgument: either is too long.
+    """
     base = str(raw.get("base_model") or "")
     if len(base) > 256:
         raise InvalidArgument(f"{field}.base_model", "too long (at most 256 bytes)")
     init_adapter = str(raw.get("init_adapter_id") or "")
     if len(init_adapter) > 128:
         raise InvalidArgument(f"{field}.init_adapter_id", "too long (at most 128 bytes)")
-    return TrainingParams(
-        base_model=base, rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, max_steps=steps,
-        learning_rate=lr, batch_size=vals["batch_size"], seq_len=vals["seq_len"],
-        grad_accum_steps=vals["grad_accum_steps"], warmup_steps=warmup,
-        lr_schedule=str(raw.get("lr_schedule") or "cosine"), weight_decay=wd, max_grad_norm=clip or 1.0,
-        eval_every_steps=int(_num(raw, "eval_every_steps")) or d.eval_every_steps,
-        checkpoint_every_steps=int(_num(raw, "checkpoint_every_steps")) or d.checkpoint_every_steps,
-        seed=int(_num(raw, "seed")), backend=str(raw.get("backend") or "auto"),
-        precision=str(raw.get("precision") or "auto"), eval_fraction=eval_fraction,
-        init_adapter_id=init_adapter, freeze_lora_a=bool(raw.get("freeze_lora_a")),
-    )  # fmt: skip
+    return base, init_adapter
 
 
-def check_precision_for_backend(params: TrainingParams, backend: str, field: str = "config") -> None:
+def check_precision_for_backend(params: TrainConfig, backend: str, field: str = "config") -> None:
     """A precision the job's backend cannot run is refused at CreateJob, not as a FAILED job later.
 
     Args:

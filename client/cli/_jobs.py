@@ -42,19 +42,19 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     tr.add_argument("--timezone", default="", help="IANA zone of the cron (default: device local)")
     lo = tr.add_argument_group("LoRA")
     lo.add_argument("--rank", type=int, default=None, help="adapter rank r, 1..128 (default 8)")
-    lo.add_argument("--alpha", type=float, default=None, help="scale numerator, update = alpha/r (default 2r)")
+    lo.add_argument("--alpha", type=float, default=None, help="scale numerator, update = alpha/r, <= 4096 (default 2r)")
     lo.add_argument("--dropout", type=float, default=None, help="dropout on the LoRA input, 0..0.5")
     lo.add_argument("--targets", default="", help=f"comma-separated projections from {','.join(TARGETS)} (all)")
     op = tr.add_argument_group("training")
     op.add_argument("--base-model", default="", help="model name from `lorad status` (default model)")
-    op.add_argument("--steps", type=int, default=None, help="optimizer steps (default 100)")
+    op.add_argument("--steps", type=int, default=None, help="optimizer steps, 1..100000 (default 100)")
     op.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 2e-4)")
-    op.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch (default 1)")
+    op.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch, 1..64 (default 1)")
     op.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence, 16..4096 (default 256)")
-    op.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
+    op.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step, 1..64 (default 1)")
     op.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
     op.add_argument("--schedule", choices=[s.value for s in LrSchedule], default="default", help="LR decay")
-    op.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay, >= 0")
+    op.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay, 0..1")
     op.add_argument("--eval-every", type=int, default=None, help="held-out loss every N steps (default 25)")
     op.add_argument("--eval-fraction", type=float, default=None, help="share of samples held out (default 0.1)")
     op.add_argument("--seed", type=int, default=0)
@@ -106,42 +106,49 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     sd.set_defaults(func=schedules_delete)
 
 
-# option dest -> (flag, lowest, highest or None, lowest allowed itself): checked before anything is sent.
-LIMITS: dict[str, tuple[str, float, float | None, bool]] = {
-    "rank": ("--rank", 1, 128, True),
-    "alpha": ("--alpha", 0, None, False),
-    "dropout": ("--dropout", 0, 0.5, True),
-    "steps": ("--steps", 1, None, True),
-    "lr": ("--lr", 0, None, False),
-    "batch_size": ("--batch-size", 1, None, True),
-    "seq_len": ("--seq-len", 16, 4096, True),
-    "grad_accum": ("--grad-accum", 1, None, True),
-    "warmup": ("--warmup", 0, None, True),
-    "weight_decay": ("--weight-decay", 0, None, True),
-    "eval_every": ("--eval-every", 1, None, True),
-    "eval_fraction": ("--eval-fraction", 0, 0.5, False),
-    "jitter": ("--jitter", 0, None, True),
-    "min_battery": ("--min-battery", 0, 100, True),
-    "max_temp": ("--max-temp", 20, 80, True),
+# option dest -> (flag, lowest, highest or None, lowest excluded, highest excluded): checked before anything is sent.
+# The training options mirror the daemon's TrainConfig declarations (tests/unit/client/test_cli_training_limits.py
+# fails when they differ; the SDK does not import the daemon).
+LIMITS: dict[str, tuple[str, float, float | None, bool, bool]] = {
+    "rank": ("--rank", 1, 128, False, False),
+    "alpha": ("--alpha", 0, 4096, True, False),
+    "dropout": ("--dropout", 0, 0.5, False, False),
+    "steps": ("--steps", 1, 100_000, False, False),
+    "lr": ("--lr", 0, 1, True, True),
+    "batch_size": ("--batch-size", 1, 64, False, False),
+    "seq_len": ("--seq-len", 16, 4096, False, False),
+    "grad_accum": ("--grad-accum", 1, 64, False, False),
+    "warmup": ("--warmup", 0, None, False, False),
+    "weight_decay": ("--weight-decay", 0, 1, False, False),
+    "eval_every": ("--eval-every", 0, None, True, False),  # 0 would be "unset" (the daemon's 25): refused here
+    "eval_fraction": ("--eval-fraction", 0, 0.5, True, False),  # likewise 0 (the daemon's 0.1)
+    "jitter": ("--jitter", 0, None, False, False),
+    "min_battery": ("--min-battery", 0, 100, False, False),
+    "max_temp": ("--max-temp", 20, 80, False, False),
 }
 
 
+def _span(lo: float, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    if hi is not None and not lo_open and not hi_open:
+        return f"{lo:g} to {hi:g}"
+    low = f"{'>' if lo_open else '≥'} {lo:g}"
+    return low if hi is None else f"{low} and {'<' if hi_open else '≤'} {hi:g}"
+
+
 def check_limits(args: argparse.Namespace) -> None:
-    """Rejects a given option outside its range, naming it: "--steps must be ≥ 1, got -5".
+    """Rejects a given option outside its range, naming it: "--steps must be 1 to 100000, got -5".
 
     Raises:
         ValueError: The first option out of range.
     """
-    for dest, (flag, lo, hi, inclusive) in LIMITS.items():
+    for dest, (flag, lo, hi, lo_open, hi_open) in LIMITS.items():
         v = getattr(args, dest, None)
         if v is None:
             continue
-        below = (v < lo) if inclusive else (v <= lo)
-        if hi is not None and (below or v > hi):
-            span = f"{lo:g} to {hi:g}" if inclusive else f"> {lo:g} and ≤ {hi:g}"
-            raise ValueError(f"{flag} must be {span}, got {v:g}")
-        if below:
-            raise ValueError(f"{flag} must be {'≥' if inclusive else '>'} {lo:g}, got {v:g}")
+        below = (v <= lo) if lo_open else (v < lo)
+        above = hi is not None and ((v >= hi) if hi_open else (v > hi))
+        if below or above:
+            raise ValueError(f"{flag} must be {_span(lo, hi, lo_open, hi_open)}, got {v:g}")
 
 
 def training_config(args: argparse.Namespace) -> TrainingConfig:

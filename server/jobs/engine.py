@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -93,22 +94,9 @@ class EngineSession:
         self.loader = loader
 
     def _train_config(self) -> Any:
-        from lorad.server.engine.training import ConfigError, TrainConfig
-
-        p = self.req.spec.params
-        try:
-            return TrainConfig(
-                rank=p.rank, alpha=p.alpha, dropout=p.dropout, targets=p.target_modules, lr=p.learning_rate,
-                steps=p.max_steps, batch_size=p.batch_size, seq_len=p.seq_len, grad_accum=p.grad_accum_steps,
-                warmup_steps=p.warmup_steps, schedule=p.lr_schedule,
-                min_lr_ratio=0.1 if p.lr_schedule == "cosine" else 0.0,  # the API's cosine decays to 10% of peak
-                weight_decay=p.weight_decay, max_grad_norm=p.max_grad_norm, eval_every=p.eval_every_steps,
-                eval_fraction=p.eval_fraction, checkpoint_every=p.checkpoint_every_steps,
-                keep_checkpoints=self.req.keep_checkpoints, seed=p.seed, backend=self.backend.name,
-                precision=p.precision, freeze_lora_a=p.freeze_lora_a,
-            )  # fmt: skip
-        except ConfigError as exc:
-            raise JobFailure("invalid_config", "; ".join(exc.errors)) from None
+        """The job's stored config on the backend it was given, keeping as many checkpoints as the daemon keeps."""
+        return dataclasses.replace(self.req.spec.params, backend=self.backend.name,
+                                   keep_checkpoints=self.req.keep_checkpoints)  # fmt: skip
 
     def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
         """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
@@ -118,7 +106,7 @@ class EngineSession:
         from lorad.server.engine.training.checkpoint import latest as latest_checkpoint
 
         cfg = self._train_config()
-        entry = self.models.entry(self.req.spec.params.base_model)
+        entry = self.models.entry(self.req.spec.base_model)
         info = self.backend
         sink.backend(info.name, info.reason)
         ckpt_dir = self.req.work_dir / "checkpoints"

@@ -288,16 +288,16 @@ class Runner:
             work = self.layout.job_dir(job.app_id, job_id)
             work.mkdir(parents=True, exist_ok=True)
             init = None
-            if job.spec.params.init_adapter_id:
+            if job.spec.init_adapter_id:
                 try:
-                    init = Path(self.adapters.get(job.app_id, job.spec.params.init_adapter_id).path)
+                    init = Path(self.adapters.get(job.app_id, job.spec.init_adapter_id).path)
                 except NotFound:
                     self._fail(job_id, "init_adapter_missing", "the adapter the job starts from was deleted")
                     return
             req = SessionRequest(
                 job_id, job.app_id, job.spec, tuple(samples), work, self.keep, job.progress.eval_loss_before, init
             )
-            log.info("job_running", samples=len(samples), steps=job.spec.params.max_steps)
+            log.info("job_running", samples=len(samples), steps=job.spec.params.steps)
             try:
                 outcome = self.factory(req).run(self._stop.is_set, _Sink(self, job_id))
             except JobFailure as f:
@@ -369,7 +369,7 @@ class Runner:
             rank=p.rank,
             alpha=p.alpha,
             dropout=p.dropout,
-            target_modules=p.target_modules,
+            target_modules=p.targets,
             steps=art.steps,
             eval_loss_before=art.eval_loss_before,
             eval_loss_after=art.eval_loss_after,

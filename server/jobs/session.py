@@ -30,7 +30,7 @@ class SessionRequest:
     work_dir: Path
     keep_checkpoints: int = 2
     eval_loss_before: float | None = None  # measured on the job's first run; None = not yet (measure it)
-    init_adapter: Path | None = None  # PEFT folder the job starts from (TrainingParams.init_adapter_id)
+    init_adapter: Path | None = None  # PEFT folder the job starts from (JobSpec.init_adapter_id)
 
 
 @dataclass(frozen=True)

@@ -186,27 +186,28 @@ def requirements_raw(r: common_pb2.DeviceRequirements) -> dict[str, Any]:
     }
 
 
-def params_pb(p: d.TrainingParams) -> common_pb2.TrainingConfig:
-    """TrainingParams → TrainingConfig with the defaults filled in."""
+def params_pb(spec: d.JobSpec) -> common_pb2.TrainingConfig:
+    """A job's TrainConfig (and model, init adapter) → TrainingConfig with the defaults filled in."""
+    p = spec.params
     return common_pb2.TrainingConfig(
-        base_model=p.base_model,
-        lora=common_pb2.LoraConfig(rank=p.rank, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules),
-        max_steps=p.max_steps,
-        learning_rate=p.learning_rate,
+        base_model=spec.base_model,
+        lora=common_pb2.LoraConfig(rank=p.rank, alpha=p.alpha, dropout=p.dropout, target_modules=p.targets),
+        max_steps=p.steps,
+        learning_rate=p.lr,
         batch_size=p.batch_size,
         seq_len=p.seq_len,
-        grad_accum_steps=p.grad_accum_steps,
+        grad_accum_steps=p.grad_accum,
         warmup_steps=p.warmup_steps,
-        lr_schedule=SCHEDULE_ENUMS.get(p.lr_schedule, 0),
+        lr_schedule=SCHEDULE_ENUMS.get(p.schedule, 0),
         weight_decay=p.weight_decay,
         max_grad_norm=p.max_grad_norm,
-        eval_every_steps=p.eval_every_steps,
-        checkpoint_every_steps=p.checkpoint_every_steps,
+        eval_every_steps=p.eval_every,
+        checkpoint_every_steps=p.checkpoint_every,
         seed=p.seed,
         backend=BACKEND_ENUMS.get(p.backend, 0),
         precision=PRECISION_ENUMS.get(p.precision, 0),
         eval_fraction=p.eval_fraction,
-        init_adapter_id=p.init_adapter_id,
+        init_adapter_id=spec.init_adapter_id,
         freeze_lora_a=p.freeze_lora_a,
     )
 
@@ -283,7 +284,7 @@ def job_pb(j: d.Job) -> jobs_pb2.Job:
         job_id=j.job_id,
         request_id=j.request_id,
         dataset_ids=j.spec.dataset_ids,
-        config=params_pb(j.spec.params),
+        config=params_pb(j.spec),
         requirements=requirements_pb(j.spec.requirements),
         state=state_pb(j.state),
         blocked_reason=blocked_pb(j.blocked),
@@ -343,7 +344,7 @@ def schedule_pb(s: d.Schedule) -> jobs_pb2.Schedule:
     out = jobs_pb2.Schedule(
         schedule_id=s.schedule_id,
         dataset_ids=s.spec.dataset_ids,
-        config=params_pb(s.spec.params),
+        config=params_pb(s.spec),
         requirements=requirements_pb(s.spec.requirements),
         next_run_at_ms=s.next_run_at_ms,
         created_at_ms=s.created_at_ms,

@@ -34,14 +34,16 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         self, dataset_ids: Any, config: Any, requirements: Any, window: Any, has_window: bool, *, app_id: str
     ) -> JobSpec:
         ids = v.check_dataset_ids("dataset_ids", list(dataset_ids))
-        params = v.build_params(cv.training_raw(config))
-        self.s.models.entry(params.base_model)
+        raw = cv.training_raw(config)
+        params = v.build_params(raw)
+        base, init = v.build_job_model(raw)
+        self.s.models.entry(base)
         lora_given = bool(config.lora.rank or config.lora.alpha or config.lora.target_modules)
-        params = with_init_adapter(self.s, app_id, params, lora_given=lora_given)
+        params = with_init_adapter(self.s, app_id, params, base_model=base, init_adapter_id=init, lora_given=lora_given)
         v.check_precision_for_backend(params, self.s.backend.for_job(params.backend).name)
         reqs = v.build_requirements(cv.requirements_raw(requirements), self.s.default_requirements)
         win = v.build_window(window.cron, window.jitter_seconds, window.timezone) if has_window else None
-        return JobSpec(ids, params, reqs, win)
+        return JobSpec(ids, params, reqs, win, base_model=base, init_adapter_id=init)
 
     async def CreateJob(self, request: jobs_pb2.CreateJobRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()

@@ -16,9 +16,9 @@ from lorad.server.domain import (
     Progress,
     Requirements,
     SampleBody,
-    TrainingParams,
     Window,
 )
+from lorad.server.engine.training.config import api_key, api_knobs, job_config
 
 
 def dumps(value: Any) -> str:
@@ -47,20 +47,29 @@ def content_hash(body: SampleBody) -> str:
 
 
 def spec_to_json(spec: JobSpec) -> str:
-    """A job spec as canonical JSON."""
-    return dumps(dataclasses.asdict(spec))
+    """A job spec as canonical JSON; its params under the API's names (the layout stored since the first version,
+    so stored specs and their request_id hashes stay valid)."""
+    params: dict[str, Any] = {api_key(k): getattr(spec.params, n) for n, k in api_knobs().items()}
+    params |= {"base_model": spec.base_model, "init_adapter_id": spec.init_adapter_id}
+    return dumps({
+        "dataset_ids": list(spec.dataset_ids), "params": params, "requirements": dataclasses.asdict(spec.requirements),
+        "window": dataclasses.asdict(spec.window) if spec.window else None,
+    })  # fmt: skip
 
 
 def spec_from_json(raw: str) -> JobSpec:
-    """Inverse of spec_to_json."""
+    """Inverse of spec_to_json (fields the API does not set take a job's defaults)."""
     d = json.loads(raw)
     p = dict(d["params"])
-    p["target_modules"] = tuple(p["target_modules"])
+    given = {n: p[api_key(k)] for n, k in api_knobs().items() if api_key(k) in p}
+    given["targets"] = tuple(given["targets"])
     return JobSpec(
         dataset_ids=tuple(d["dataset_ids"]),
-        params=TrainingParams(**p),
+        params=job_config(given),
         requirements=Requirements(**d["requirements"]),
         window=Window(**d["window"]) if d.get("window") else None,
+        base_model=str(p.get("base_model", "")),
+        init_adapter_id=str(p.get("init_adapter_id", "")),
     )
 
 

@@ -295,10 +295,11 @@ def test_data_add_reads_json_files_and_reports_errors_as_json(fake: FakeDaemon, 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--steps", "-5"), "--steps must be ≥ 1, got -5"),
-        (("--steps", "0"), "--steps must be ≥ 1, got 0"),
+        (("--steps", "-5"), "--steps must be 1 to 100000, got -5"),
+        (("--steps", "0"), "--steps must be 1 to 100000, got 0"),
         (("--rank", "0"), "--rank must be 1 to 128, got 0"),
-        (("--lr", "0"), "--lr must be > 0, got 0"),
+        (("--lr", "0"), "--lr must be > 0 and < 1, got 0"),
+        (("--eval-every", "0"), "--eval-every must be > 0, got 0"),
         (("--eval-fraction", "0.9"), "--eval-fraction must be > 0 and ≤ 0.5, got 0.9"),
     ],
 )

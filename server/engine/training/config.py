@@ -1,17 +1,21 @@
-"""TrainConfig: the frozen, validated description of one LoRA training job."""
+"""TrainConfig: the one frozen, validated description of a LoRA training job, from the API to the kernel."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorad.kernels.capabilities import BACKENDS as CAPABILITY_BACKENDS
+from lorad.kernels.capabilities import PRECISIONS
 from lorad.server.engine.models.config import LORA_TARGETS, hf_targets
+from lorad.server.engine.training.knobs import KNOB, Knob, knob
 
 DEFAULT_TARGETS = LORA_TARGETS  # every projection, by its Hugging Face name
 SCHEDULES = ("cosine", "linear", "constant")
 CLIP_MODES = ("global", "per_layer")
-BACKENDS = ("auto", "torch", "ort-cpu", "qnn-htp")
+BACKENDS = ("auto", *CAPABILITY_BACKENDS)
 
 
 class ConfigError(ValueError):
@@ -22,59 +26,103 @@ class ConfigError(ValueError):
         self.errors = errors
 
 
-def _meta(help_text: str) -> dict[str, str]:
-    return {"help": help_text}
-
-
 @dataclass(frozen=True)
 class TrainConfig:
-    """Hyper-parameters of one LoRA job. Validated on construction; all problems are reported at once."""
+    """Hyper-parameters of one LoRA job, from the API to the kernel. Validated on construction; all problems are
+    reported at once.
 
-    rank: int = field(default=8, metadata=_meta("LoRA rank r (>= 1)."))
-    alpha: float = field(default=16.0, metadata=_meta("LoRA alpha; the adapter output is scaled by alpha / rank."))
-    dropout: float = field(default=0.0, metadata=_meta("Dropout on the LoRA input path, in [0, 1)."))
-    targets: tuple[str, ...] = field(default=DEFAULT_TARGETS, metadata=_meta("Linear names that get adapters."))
-    lr: float = field(default=2e-4, metadata=_meta("Peak learning rate (> 0)."))
-    steps: int = field(default=100, metadata=_meta("Optimizer steps (>= 1)."))
-    batch_size: int = field(default=1, metadata=_meta("Sequences per micro-batch (>= 1)."))
-    seq_len: int = field(default=256, metadata=_meta("Tokens per packed sequence (>= 8)."))
-    grad_accum: int = field(default=1, metadata=_meta("Micro-batches per optimizer step (>= 1)."))
-    warmup_steps: int = field(default=0, metadata=_meta("Linear warm-up steps (0 <= warmup_steps < steps)."))
-    schedule: str = field(default="cosine", metadata=_meta(f"LR decay after warm-up: one of {SCHEDULES}."))
-    min_lr_ratio: float = field(default=0.0, metadata=_meta("Final LR as a fraction of lr, in [0, 1]."))
-    weight_decay: float = field(default=0.0, metadata=_meta("Decoupled (AdamW) weight decay (>= 0)."))
-    beta1: float = field(default=0.9, metadata=_meta("AdamW beta1 in [0, 1)."))
-    beta2: float = field(default=0.999, metadata=_meta("AdamW beta2 in [0, 1)."))
-    eps: float = field(default=1e-8, metadata=_meta("AdamW epsilon (> 0)."))
-    max_grad_norm: float = field(default=1.0, metadata=_meta("Gradient clipping threshold; 0 turns clipping off."))
+    Each field declares its help, bounds, API name and a daemon job's default once (``knobs()``); the API's request
+    validation, the CLI and the SDK read or are tested against these declarations.
+    """
+
+    rank: int = field(default=8, metadata=knob("LoRA rank r.", lo=1, hi=128, api="lora.rank"))
+    alpha: float = field(
+        default=16.0,
+        metadata=knob("LoRA alpha; the adapter output is scaled by alpha / rank.", lo=0, hi=4096, lo_open=True,
+                      api="lora.alpha", job_default=lambda d: 2.0 * d["rank"], job_default_doc="2 * rank"),
+    )  # fmt: skip
+    dropout: float = field(default=0.0, metadata=knob("Dropout on the LoRA input path.", lo=0, hi=0.5,
+                                                        api="lora.dropout"))  # fmt: skip
+    targets: tuple[str, ...] = field(
+        default=DEFAULT_TARGETS,
+        metadata=knob("Projections that get adapters (Hugging Face names).", choices=LORA_TARGETS,
+                      api="lora.target_modules", job_default_doc="all"),
+    )  # fmt: skip
+    lr: float = field(
+        default=2e-4,
+        metadata=knob("Peak learning rate; typical LoRA values are 1e-4..1e-3.", lo=0, hi=1, lo_open=True,
+                      hi_open=True, api="learning_rate"),
+    )  # fmt: skip
+    steps: int = field(default=100, metadata=knob("Optimizer steps.", lo=1, hi=100_000, api="max_steps"))
+    batch_size: int = field(default=1, metadata=knob("Sequences per micro-batch.", lo=1, hi=64, api="batch_size"))
+    seq_len: int = field(default=256, metadata=knob("Tokens per packed sequence.", lo=16, hi=4096, api="seq_len"))
+    grad_accum: int = field(
+        default=1, metadata=knob("Micro-batches per optimizer step.", lo=1, hi=64, api="grad_accum_steps")
+    )
+    warmup_steps: int = field(default=0, metadata=knob("Linear warm-up steps (below steps).", lo=0, api="warmup_steps"))
+    schedule: str = field(
+        default="cosine", metadata=knob("LR decay after warm-up.", choices=SCHEDULES, api="lr_schedule")
+    )
+    min_lr_ratio: float = field(
+        default=0.0,
+        metadata=knob("Final LR as a fraction of lr.", lo=0, hi=1,
+                      job_default=lambda d: 0.1 if d["schedule"] == "cosine" else 0.0),  # the API's cosine: 10 %
+    )  # fmt: skip
+    weight_decay: float = field(
+        default=0.0, metadata=knob("Decoupled (AdamW) weight decay.", lo=0, hi=1, api="weight_decay")
+    )
+    beta1: float = field(default=0.9, metadata=knob("AdamW beta1.", lo=0, hi=1, hi_open=True))
+    beta2: float = field(default=0.999, metadata=knob("AdamW beta2.", lo=0, hi=1, hi_open=True))
+    eps: float = field(default=1e-8, metadata=knob("AdamW epsilon.", lo=0, lo_open=True))
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata=knob("Gradient clipping threshold; 0 turns clipping off (the API's 0 means 1.0).", lo=0, hi=1e6,
+                      api="max_grad_norm"),
+    )  # fmt: skip
     clip_mode: str = field(
         default="global",
-        metadata=_meta(
+        metadata=knob(
             "'global': one norm over all adapters (exact, but optimizer steps wait for the full backward); "
-            "'per_layer': each layer's adapters are clipped by their own norm, so steps overlap the backward."
+            "'per_layer': each layer's adapters are clipped by their own norm, so steps overlap the backward.",
+            choices=CLIP_MODES,
         ),
     )
     overlap_optimizer: bool = field(
-        default=True, metadata=_meta("Step each layer's adapters in a CPU thread as soon as its grads are final.")
+        default=True, metadata=knob("Step each layer's adapters in a CPU thread as soon as its grads are final.")
     )
-    eval_every: int = field(default=0, metadata=_meta("Eval loss every N steps; 0 = only at the end."))
-    eval_batches: int = field(default=8, metadata=_meta("Max held-out micro-batches per eval (>= 1)."))
-    eval_fraction: float = field(default=0.05, metadata=_meta("Share of samples held out for eval, in [0, 0.5]."))
-    checkpoint_every: int = field(default=0, metadata=_meta("Checkpoint every N steps; 0 = only on pause/end."))
-    keep_checkpoints: int = field(default=2, metadata=_meta("Checkpoints kept on disk (>= 1)."))
-    seed: int = field(default=0, metadata=_meta("Seed for data order, adapter init and dropout (>= 0)."))
-    backend: str = field(default="auto", metadata=_meta(f"Frozen-linear backend: one of {BACKENDS}."))
+    eval_every: int = field(
+        default=0, metadata=knob("Eval loss every N steps; 0 = only at the end.", lo=0, api="eval_every_steps",
+                                 job_default=25)
+    )  # fmt: skip
+    eval_batches: int = field(default=8, metadata=knob("Max held-out micro-batches per eval.", lo=1))
+    eval_fraction: float = field(
+        default=0.05, metadata=knob("Share of samples held out for eval.", lo=0, hi=0.5, api="eval_fraction",
+                                    job_default=0.1)
+    )  # fmt: skip
+    checkpoint_every: int = field(
+        default=0, metadata=knob("Checkpoint every N steps; 0 = only on pause/end.", lo=0,
+                                 api="checkpoint_every_steps", job_default=50)
+    )  # fmt: skip
+    keep_checkpoints: int = field(default=2, metadata=knob("Checkpoints kept on disk.", lo=1))
+    seed: int = field(
+        default=0, metadata=knob("Seed for data order, adapter init and dropout.", lo=0, hi=2**63 - 1, api="seed")
+    )
+    backend: str = field(default="auto", metadata=knob("Frozen-linear backend.", choices=BACKENDS, api="backend"))
     precision: str = field(
         default="auto",
-        metadata=_meta("Frozen-linear precision, e.g. 'fp32'; 'auto' plans it per layer by gradient sensitivity."),
-    )
+        metadata=knob("Frozen-linear precision, e.g. 'fp32'; 'auto' plans it per layer by gradient sensitivity.",
+                      choices=("auto", *PRECISIONS), api="precision"),
+    )  # fmt: skip
     freeze_lora_a: bool = field(
-        default=False, metadata=_meta("Keep every LoRA A fixed and train only B (FFA-LoRA; exact federated averaging).")
-    )
+        default=False,
+        metadata=knob("Keep every LoRA A fixed and train only B (FFA-LoRA; exact federated averaging).",
+                      api="freeze_lora_a"),
+    )  # fmt: skip
     precision_budget: float = field(
         default=0.1,
-        metadata=_meta("precision='auto': allowed relative drift of the LoRA gradients vs the reference, in (0, 1]."),
-    )
+        metadata=knob("precision='auto': allowed relative drift of the LoRA gradients vs the reference.", lo=0, hi=1,
+                      lo_open=True),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         errors = _validate(self)
@@ -119,9 +167,9 @@ class TrainConfig:
         return cfg
 
 
-def _check(errors: list[str], ok: bool, message: str) -> None:
-    if not ok:
-        errors.append(message)
+def knobs() -> dict[str, Knob]:
+    """Every TrainConfig field's declaration, by field name, in field order."""
+    return {f.name: f.metadata[KNOB] for f in dataclasses.fields(TrainConfig)}
 
 
 def _is_int(v: object) -> bool:
@@ -132,69 +180,56 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def field_error(name: str, value: Any) -> str | None:
+    """Why ``value`` is not valid for field ``name`` on its own (type, range, choices), or None."""
+    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+    k: Knob = f.metadata[KNOB]
+    if isinstance(f.default, bool):
+        return None if isinstance(value, bool) else f"{name}={value!r}: must be a bool"
+    if isinstance(f.default, int):
+        if not _is_int(value) or not k.admits(value):
+            return f"{name}={value!r}: must be an integer, {k.span()}"
+        return None
+    if isinstance(f.default, float):
+        if not _is_num(value) or not k.admits(value):
+            return f"{name}={value!r}: must be a number, {k.span()}"
+        return None
+    if isinstance(f.default, tuple):
+        if not isinstance(value, tuple) or not value or not all(isinstance(t, str) and t for t in value):
+            return f"{name}={value!r}: must be a non-empty tuple of names, e.g. {f.default}"
+        if len(set(value)) != len(value):
+            return f"{name}={value!r}: contains duplicates"
+        bad = [t for t in value if t not in k.choices]
+        return f"{name}={value!r}: unknown {bad}; choose among {k.choices}" if bad else None
+    if k.choices and value not in k.choices:
+        return f"{name}={value!r}: must be one of {k.choices}"
+    return None
+
+
 def _validate(c: TrainConfig) -> list[str]:
-    e: list[str] = []
-    ints = {
-        "rank": 1,
-        "steps": 1,
-        "batch_size": 1,
-        "seq_len": 8,
-        "grad_accum": 1,
-        "eval_batches": 1,
-        "keep_checkpoints": 1,
-        "warmup_steps": 0,
-        "eval_every": 0,
-        "checkpoint_every": 0,
-        "seed": 0,
-    }
-    for name, lo in ints.items():
-        v = getattr(c, name)
-        _check(e, _is_int(v) and v >= lo, f"{name}={v!r}: must be an integer >= {lo}")
-    nums = [
-        "alpha",
-        "dropout",
-        "lr",
-        "min_lr_ratio",
-        "weight_decay",
-        "beta1",
-        "beta2",
-        "eps",
-        "max_grad_norm",
-        "eval_fraction",
-        "precision_budget",
-    ]
-    bad_num = {n for n in nums if not _is_num(getattr(c, n))}
-    for n in sorted(bad_num):
-        e.append(f"{n}={getattr(c, n)!r}: must be a number")
-    ranges = {
-        "alpha": (lambda v: v > 0, "> 0"),
-        "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-        "lr": (lambda v: 0 < v < 1, "in (0, 1); typical LoRA values are 1e-4..1e-3"),
-        "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-        "weight_decay": (lambda v: v >= 0, ">= 0"),
-        "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-        "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-        "eps": (lambda v: v > 0, "> 0"),
-        "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
-        "eval_fraction": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
-        "precision_budget": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    }
-    for n, (ok, desc) in ranges.items():
-        if n not in bad_num:
-            _check(e, ok(getattr(c, n)), f"{n}={getattr(c, n)!r}: must be {desc}")
-    if _is_int(c.warmup_steps) and _is_int(c.steps):
-        _check(e, c.warmup_steps < c.steps, f"warmup_steps={c.warmup_steps}: must be < steps={c.steps}")
-    _check(e, c.schedule in SCHEDULES, f"schedule={c.schedule!r}: must be one of {SCHEDULES}")
-    _check(e, c.clip_mode in CLIP_MODES, f"clip_mode={c.clip_mode!r}: must be one of {CLIP_MODES}")
-    _check(e, c.backend in BACKENDS, f"backend={c.backend!r}: must be one of {BACKENDS}")
-    _check(e, isinstance(c.precision, str) and bool(c.precision), f"precision={c.precision!r}: must be a plan name")
-    _check(e, isinstance(c.overlap_optimizer, bool), f"overlap_optimizer={c.overlap_optimizer!r}: must be a bool")
-    targets_ok = (
-        isinstance(c.targets, tuple) and len(c.targets) > 0 and all(isinstance(t, str) and t for t in c.targets)
-    )
-    _check(e, targets_ok, f"targets={c.targets!r}: must be a non-empty tuple of linear names, e.g. {DEFAULT_TARGETS}")
-    if targets_ok:
-        _check(e, len(set(c.targets)) == len(c.targets), f"targets={c.targets!r}: contains duplicates")
-        bad = [t for t in c.targets if t not in DEFAULT_TARGETS]
-        _check(e, not bad, f"targets={c.targets!r}: unknown {bad}; choose among {DEFAULT_TARGETS}")
+    e = [m for f in dataclasses.fields(c) if (m := field_error(f.name, getattr(c, f.name))) is not None]
+    if _is_int(c.warmup_steps) and _is_int(c.steps) and c.warmup_steps >= c.steps:
+        e.append(f"warmup_steps={c.warmup_steps}: must be < steps={c.steps}")
     return e
+
+
+def api_knobs() -> dict[str, Knob]:
+    """The fields a daemon job's request sets (the API's ``TrainingConfig``), by field name."""
+    return {n: k for n, k in knobs().items() if k.api}
+
+
+def api_key(k: Knob) -> str:
+    """The API's name of a field (the last part of its path: ``lora.rank`` → ``rank``)."""
+    return k.api.rsplit(".", 1)[-1]
+
+
+def job_config(given: Mapping[str, Any]) -> TrainConfig:
+    """A daemon job's config: the values ``given`` (field name → value), every other field at its job default.
+
+    Raises:
+        ConfigError: a given value is invalid (the job defaults themselves always are valid).
+    """
+    decided: dict[str, Any] = {}
+    for f in dataclasses.fields(TrainConfig):
+        decided[f.name] = given[f.name] if f.name in given else f.metadata[KNOB].api_default(f.default, decided)
+    return TrainConfig(**decided)

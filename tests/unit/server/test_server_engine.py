@@ -17,8 +17,8 @@ from lorad.server.domain import (
     Progress,
     Requirements,
     SampleBody,
-    TrainingParams,
 )
+from lorad.server.engine.training.config import job_config
 from lorad.server.jobs.engine import EngineSession
 from lorad.server.jobs.session import SessionRequest
 from lorad.server.modelhost import ModelHost
@@ -80,11 +80,10 @@ def _samples(n: int = 16) -> tuple[SampleBody, ...]:
 
 def _session(tiny: Path, work: Path, before: float | None, steps: int = 3, samples: tuple[SampleBody, ...] = (),
              **kw: Any) -> EngineSession:  # fmt: skip
-    p = dict(base_model="", rank=4, max_steps=steps, batch_size=2, seq_len=64, eval_fraction=0.3,
-             eval_every_steps=100, checkpoint_every_steps=100, dropout=0.1, learning_rate=1e-3, seed=3,
-             backend="torch", precision="fp32")  # fmt: skip
+    p = dict(rank=4, steps=steps, batch_size=2, seq_len=64, eval_fraction=0.3, eval_every=100, checkpoint_every=100,
+             dropout=0.1, lr=1e-3, seed=3, backend="torch", precision="fp32")  # fmt: skip
     p.update(kw)
-    spec = JobSpec(("ds",), TrainingParams(**p), Requirements(False, 0, 80.0, False))  # type: ignore[arg-type]
+    spec = JobSpec(("ds",), job_config(p), Requirements(False, 0, 80.0, False))
     req = SessionRequest("job_x", "app", spec, samples or _samples(), work, 2, before)
     decision = decide_backend("torch")
     models = ModelHost(str(tiny), (), work.parent / "cache", decision)
@@ -144,7 +143,7 @@ def test_every_step_reports_progress_and_phases_and_the_data_notice_come_when_th
     tiny: Path, tmp_path: Path
 ) -> None:
     too_long = SampleBody(messages=(Message("user", "word " * 200), Message("assistant", "ok")))
-    sink, _ = _run(tiny, tmp_path / "a", None, steps=5, eval_every_steps=2, samples=(*_samples(), too_long))
+    sink, _ = _run(tiny, tmp_path / "a", None, steps=5, eval_every=2, samples=(*_samples(), too_long))
     assert sink.progress_steps == [1, 2, 3, 4, 5], "steps that end with an evaluation report progress too"
     kinds = [k for k, _ in sink.log]
     phases = [v[0] for k, v in sink.log if k == "phase"]

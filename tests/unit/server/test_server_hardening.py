@@ -13,7 +13,8 @@ import pytest
 
 from lorad.server import intents
 from lorad.server.auth import hash_token
-from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody, TrainingParams
+from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody
+from lorad.server.engine.training.config import job_config
 from lorad.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unauthenticated
 from lorad.server.jobs.files import scrub_paths
 from lorad.server.rpc.convert import training_raw
@@ -24,7 +25,7 @@ from lorad.server.validation import build_params, check_int64
 from lorad.v1 import common_pb2
 
 Q = Quota(max_samples=50, max_sample_bytes=10_000, max_adapters=1, max_active_jobs=3)
-SPEC = JobSpec(("ds",), TrainingParams(max_steps=3), Requirements(True, 50, 40.0, False))
+SPEC = JobSpec(("ds",), job_config({"steps": 3}), Requirements(True, 50, 40.0, False))
 
 
 @pytest.fixture

@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 
 from lorad.server.auth import Authenticator, ensure_owner_token, hash_token
-from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody, TrainingParams
+from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody
+from lorad.server.engine.training.config import job_config
 from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
 from lorad.server.rpc.wire import bad_utf8_path
 from lorad.server.store import AppRepo, Database, JobRepo, SampleRepo
 from lorad.v1 import data_pb2
 
 Q = Quota(max_samples=5, max_sample_bytes=1000, max_adapters=2, max_active_jobs=1)
-SPEC = JobSpec(("ds",), TrainingParams(max_steps=3), Requirements(True, 50, 40.0, False))
+SPEC = JobSpec(("ds",), job_config({"steps": 3}), Requirements(True, 50, 40.0, False))
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_jobs_idempotency_transitions_and_events(db: Database) -> None:
     same, created = jobs.create("a", "r1", SPEC, JobState.WAITING, Blocked.NONE, max_active=1)
     assert not created and same.job_id == job.job_id
     with pytest.raises(AlreadyExists):
-        jobs.create("a", "r1", JobSpec(("ds",), TrainingParams(max_steps=4), SPEC.requirements), JobState.WAITING,
+        jobs.create("a", "r1", JobSpec(("ds",), job_config({"steps": 4}), SPEC.requirements), JobState.WAITING,
                     Blocked.NONE, max_active=1)  # fmt: skip
     with pytest.raises(ResourceExhausted):
         jobs.create("a", "r2", SPEC, JobState.WAITING, Blocked.NONE, max_active=1)
