@@ -36,6 +36,8 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # optimizer cannot step before the whole backward is done, so the overlap study uses per-layer clipping.
 LORAD_SYSTEMS = {
     "lorad-torch-fp32": ("torch", "fp32", "global", True),
+    "lorad-torch-bf16": ("torch", "bf16", "global", True),
+    "lorad-torch-w8a8": ("torch", "w8a8", "global", True),
     "lorad-ort-cpu-fp32": ("ort-cpu", "fp32", "global", True),
     "lorad-ort-cpu-w8a8": ("ort-cpu", "w8a8", "global", True),
     "lorad-auto": ("auto", "auto", "global", True),

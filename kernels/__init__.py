@@ -5,7 +5,8 @@ Overview (docs/design.md §2, docs/qnn_htp.md):
 - ``make_frozen_linear(W, b, backend=..., precision=...)`` returns a ``FrozenLinear``: ``forward(x) = x·Wᵀ + b`` and
   ``input_grad(dy) = dy·W`` on one of ``BACKENDS``; no weight gradient is ever computed.
   * ``torch``: fp32 reference; native bf16 (oneDNN, one bf16 copy, fp32 accumulation) on CPUs with bf16
-    instructions, the fast path there; other precisions emulated by fake-quant so the planner runs on any host.
+    instructions, the fast path there, and w8a8 as an int8 GEMM (one int8 copy, int32 accumulation) on CPUs with
+    int8 dot products; other precisions emulated by fake-quant so the planner runs on any host.
   * ``ort-cpu``: ONNX Runtime CPU EP, the fast path on CPUs without bf16. fp32 and w8a8. One weight copy serves both
     directions (fp32 W or one int8 per-channel W fed as a graph input to a forward and a backward session).
   * ``qnn-htp``: onnxruntime-qnn plugin EP; static token buckets (pad, strip), FP16 graphs with the weight as a

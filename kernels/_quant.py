@@ -35,6 +35,17 @@ def quantize_weight(weight: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     return q, scale.contiguous()
 
 
+def quantize_rows(a: Tensor, bits: int = 8) -> tuple[Tensor, Tensor]:
+    """Per-row symmetric quantization of a [T, K] float activation (the grid ``fake_quant_act`` rounds to).
+
+    Returns:
+        (q, scale): q int8 [T, K], scale float32 [T, 1]; ``q * scale`` is ``fake_quant_act(a, bits)``.
+    """
+    qmax = 2 ** (bits - 1) - 1
+    scale = a.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30).div_(qmax)
+    return torch.round(a / scale).clamp_(-qmax, qmax).to(torch.int8), scale
+
+
 def fake_quant_act(a: Tensor, bits: int) -> Tensor:
     """Per-row symmetric fake-quant of a [T, K] activation: what static scales plus per-call, per-row rescaling
     compute on the NPU (each token row is divided by its own absmax before the fixed-scale graph)."""

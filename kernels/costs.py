@@ -24,7 +24,7 @@ from lorad.kernels.frozen import make_frozen_linear
 
 log = structlog.get_logger(__name__)
 
-COSTS_VERSION = 1
+COSTS_VERSION = 2  # 2: torch w8a8 became a real int8 GEMM on CPUs with int8 dot products
 # Rows timed per call are capped so one product does at most this many multiply-adds (the 49152x576 lm_head at 256
 # rows would take ~1 s in torch fp32 here); the time is scaled linearly to the requested rows (GEMM time is linear in
 # rows once rows >= 32).

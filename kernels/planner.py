@@ -21,7 +21,15 @@ from lorad.kernels._swap import Site, frozen_sites, set_frozen
 from lorad.kernels.costs import CostTable
 from lorad.kernels.frozen import make_frozen_linear
 from lorad.kernels.lora import LoRALinear
-from lorad.kernels.plan import PLAN_VERSION, PLANNER_VERSION, LayerPlan, Measurement, PrecisionPlan, weight_bytes
+from lorad.kernels.plan import (
+    PLAN_VERSION,
+    PLANNER_VERSION,
+    LayerPlan,
+    Measurement,
+    PrecisionPlan,
+    shares_copy,
+    weight_bytes,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +95,7 @@ def plan_precision(
     exact_share: float = 0.15,
     costs: CostTable | None = None,
     on_progress: Callable[[float], None] | None = None,
+    one_copy: bool = False,
 ) -> PrecisionPlan:
     """Choose per-layer forward/backward precisions by how much they move the LoRA gradients.
 
@@ -129,6 +138,9 @@ def plan_precision(
             (2.4% of logits, 8.7% of dX) hides a 54-57% drift of all dA/dB, as softmax amplifies logit errors.
         costs: the per-shape cost table (required for ``cost="measured"``, see ``lorad.kernels.costs.measure``).
         on_progress: called with the fraction of planning done (0..1) after each pass (fast mode).
+        one_copy: every layer runs both directions at one precision, so it keeps ONE weight copy (a bf16 forward
+            with an int8 input gradient would hold both a bf16 and an int8 copy: 3 bytes per weight instead of 2
+            or 1). The measured cost table prices time only; this is the memory rule the product path plans with.
 
     Returns:
         The PrecisionPlan (the model is left with its original frozen linears and no gradients).
@@ -157,7 +169,7 @@ def plan_precision(
         plan = run(model, loss_fn, sites, build, backend=backend, reference=reference, candidates=candidates,
                    budget=budget, max_layer_error=max_layer_error, cost=cost, calib_tokens=calib_tokens,
                    verify=verify, max_backoff=max_backoff, exact_share=exact_share, costs=costs,
-                   on_progress=on_progress or (lambda _f: None))  # fmt: skip
+                   on_progress=on_progress or (lambda _f: None), one_copy=one_copy)  # fmt: skip
     finally:
         for fl, s in sites.values():
             set_frozen(s, fl)
@@ -174,7 +186,7 @@ def _plan_exact(
     model: nn.Module, loss_fn: Callable[[], Tensor], sites: Mapping[str, tuple[Any, list[Site]]], build: Any,
     *, backend: str, reference: str, candidates: Sequence[str], budget: float, max_layer_error: float, cost: str,
     calib_tokens: int, verify: bool, max_backoff: int, exact_share: float, costs: CostTable | None,
-    on_progress: Callable[[float], None],
+    on_progress: Callable[[float], None], one_copy: bool,
 ) -> PrecisionPlan:  # fmt: skip
     del max_backoff, exact_share, on_progress
     if cost == "measured":
@@ -216,7 +228,7 @@ def _plan_exact(
             ref_time[f"{n}|fwd"] = _time_ms(fl.forward, _randn(calib_tokens, fl.in_features))
             ref_time[f"{n}|bwd"] = _time_ms(fl.input_grad, _randn(calib_tokens, fl.out_features))
     est = _choose(plans, reference=reference, budget=budget, max_layer_error=max_layer_error, cost=cost,
-                  ref_time=ref_time)  # fmt: skip
+                  ref_time=ref_time, one_copy=one_copy)  # fmt: skip
     plan = PrecisionPlan(backend, reference, budget, cost, plans, est, mode="exact")
     if verify:
         for n, (_, s) in sites.items():
@@ -230,7 +242,7 @@ def _plan_fast(
     model: nn.Module, loss_fn: Callable[[], Tensor], sites: Mapping[str, tuple[Any, list[Site]]], build: Any,
     *, backend: str, reference: str, candidates: Sequence[str], budget: float, max_layer_error: float, cost: str,
     calib_tokens: int, verify: bool, max_backoff: int, exact_share: float, costs: CostTable | None,
-    on_progress: Callable[[float], None],
+    on_progress: Callable[[float], None], one_copy: bool,
 ) -> PrecisionPlan:  # fmt: skip
     del calib_tokens, verify  # fast mode times the captured rows and always verifies
     t0 = time.perf_counter()
@@ -324,11 +336,24 @@ def _plan_fast(
             cheapest[n] = (reference, reference)
             continue
         pick = []
+        picked: list[Measurement] = []
         for d in ("fwd", "bwd"):
             ok = [m for m in lp.measurements if m.direction == d and m.error <= max_layer_error]
             best = min(ok, key=lambda m: (_cost_of(lp, m, cost, ref_time), m.error), default=None)
             pick.append(best.precision if best else reference)
-            sum_all += sq(best) if best else 0.0
+            picked += [best] if best else []
+        if one_copy and not shares_copy(pick[0], pick[1]):
+            both: list[tuple[Measurement, Measurement]] = []
+            for p in sorted({pick[0], pick[1]} - {reference}):
+                mf, mb = lp.measured("fwd", p), lp.measured("bwd", p)
+                if mf is not None and mb is not None:
+                    both.append((mf, mb))
+            costed = [(_cost_of(lp, mf, cost, ref_time) + _cost_of(lp, mb, cost, ref_time), mf.error + mb.error, mf, mb)
+                      for mf, mb in both]  # fmt: skip
+            best2 = min(costed, key=lambda t: (t[0], t[1]), default=None)
+            pick = [best2[2].precision] * 2 if best2 else [reference, reference]
+            picked = [best2[2], best2[3]] if best2 else []
+        sum_all += sum(sq(m) for m in picked)
         cheapest[n] = (pick[0], pick[1])
     t3 = time.perf_counter()
     on_progress(0.6)
@@ -339,7 +364,7 @@ def _plan_fast(
     k_box[0] = k if k > 0 else 1.0
     target_sq = (budget / k) ** 2 if k > 0 else math.inf
     est_sq = _choose(plans, reference=reference, budget=target_sq, max_layer_error=max_layer_error, cost=cost,
-                     ref_time=ref_time, err=sq)  # fmt: skip
+                     ref_time=ref_time, err=sq, one_copy=one_copy)  # fmt: skip
     plan = PrecisionPlan(backend, reference, budget, cost, plans, k * math.sqrt(est_sq), mode="fast")
     plan.calibration = {"k": k, "cheapest_error": calib["error"], "cheapest_sum_sq": sum_all, "build_s": t1 - t0,
                         "global_layers": float(len(dominant)),
@@ -364,6 +389,11 @@ def _plan_fast(
         # Drift scales like sqrt(Σe²): aim Σe² at (budget/drift)² of now, with 20% margin.
         for n, d in fast.raise_worst(lowered, now_sq, now_sq * (budget / drift["error"]) ** 2 * 0.8):
             f, b = choice[n]
+            if one_copy:
+                # Step the layer (both directions, one copy) to its next more accurate option, e.g. w8a8 -> bf16
+                # rather than straight back to fp32.
+                choice[n] = _more_accurate(plans[n], (f, b), reference, max_layer_error, sq)
+                continue
             f, b = (reference, b) if d == "fwd" else (f, reference)
             shape = plans[n].shape
             if cost == "bytes" and weight_bytes(shape, f, b) > weight_bytes(shape, reference, reference):
@@ -375,6 +405,23 @@ def _plan_fast(
     plan.verified = drift
     plan.calibration["verify_s"] = time.perf_counter() - t4
     return plan
+
+
+def _more_accurate(
+    lp: LayerPlan, now: tuple[str, str], reference: str, max_layer_error: float, sq: Callable[[Measurement], float]
+) -> tuple[str, str]:
+    """The one-copy option of ``lp`` with the least error below that of ``now`` (the reference when none is)."""
+
+    def err(p: str) -> float | None:
+        ms = [lp.measured(d, p) for d in ("fwd", "bwd")]
+        if any(m is None or not m.error <= max_layer_error for m in ms):
+            return None
+        return sum(sq(m) for m in ms if m is not None)
+
+    cur = err(now[0]) if shares_copy(*now) and now[0] != reference else None
+    opts = [(e, p) for p in {m.precision for m in lp.measurements} - {now[0]} if (e := err(p)) is not None]
+    opts = [(e, p) for e, p in opts if cur is None or e < cur]
+    return (min(opts)[1],) * 2 if opts else (reference, reference)
 
 
 _BACKEND_CLASS = {"torch": "TorchFrozenLinear", "ort-cpu": "OrtCpuFrozenLinear", "qnn-htp": "QnnFrozenLinear"}
@@ -413,6 +460,7 @@ def _choose(
     cost: str,
     ref_time: Mapping[str, float],
     err: Callable[[Measurement], float] = lambda m: m.error,
+    one_copy: bool = False,
 ) -> float:
     """Set each LayerPlan's precisions to the cheapest combination whose summed ``err`` is within ``budget``.
 
@@ -429,6 +477,8 @@ def _choose(
         opts = []
         for pf, ef, tf in fwd:
             for pb, eb, tb in bwd:
+                if one_copy and not shares_copy(pf, pb):
+                    continue
                 c = float(weight_bytes(lp.shape, pf, pb)) if cost == "bytes" else tf + tb
                 opts.append((c, ef + eb, pf, pb))
         options[n] = opts

@@ -1,12 +1,15 @@
-"""Torch backend: exact fp32 reference, native bf16 (oneDNN) on CPUs with bf16 instructions, the rest emulated."""
+"""Torch backend: exact fp32 reference; native bf16 (oneDNN) and w8a8 (int8 GEMM) on CPUs with the instructions.
+
+Other precisions, and bf16/w8a8 on CPUs without bf16/int8 dot products, are emulated (same numbers, no gain).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_weight
-from lorad.kernels.capabilities import CAPABILITIES
+from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_rows, quantize_weight
+from lorad.kernels.capabilities import CAPABILITIES, cpu_int8
 
 SUPPORTED = CAPABILITIES["torch"].precisions
 
@@ -17,6 +20,11 @@ class TorchFrozenLinear:
     Quantized precisions store an int8 grid (int4 values in int8 cells, so 1 byte/weight here) plus per-channel
     scales and dequantize per call; activations get a per-row (per-token) per-call scale, which is what the ort-cpu
     w8a8 graphs and the NPU backends' per-call rescaling compute.
+
+    w8a8 on a CPU with int8 dot products runs as a real int8 GEMM (``torch._int_mm``, exact int32 accumulation) from
+    the one int8 copy: forward ``(xq·Wqᵀ)·sx·sw``; input gradient ``(q(dy·sw)·Wq)·s`` with the per-output-channel
+    weight scale folded into dy before its per-row quantization (the reduction runs over output channels, so the
+    scale cannot be applied after it), as the ort-cpu w8a8 graphs do. The emulated path computes the same numbers.
     """
 
     runs_on_cpu = True  # calls run inline on the caller's thread (see queue.queue_for)
@@ -49,6 +57,11 @@ class TorchFrozenLinear:
             # bf16 operands, fp32 accumulation inside oneDNN, a bf16 result widened once; the bias is added in fp32.
             y = torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t()).float()
             return y if self.bias is None else y.add_(self.bias)
+        if self.precision_fwd == "w8a8":
+            wq, sw = self._store["w8a8"]
+            assert sw is not None
+            y = _int8_mm(x, wq.t()).mul_(sw)
+            return y if self.bias is None else y.add_(self.bias)
         x = _act(x.float(), self.precision_fwd)
         w = self._dense(self.precision_fwd)
         y = x @ w.t() if self.bias is None else torch.addmm(self.bias, x, w.t())
@@ -57,8 +70,24 @@ class TorchFrozenLinear:
     def input_grad(self, dy: Tensor) -> Tensor:
         if self.precision_bwd == "bf16":
             return torch.mm(dy.to(torch.bfloat16), self._store["bf16"][0]).float()
+        if self.precision_bwd == "w8a8":
+            wq, sw = self._store["w8a8"]
+            assert sw is not None
+            return _int8_mm(dy * sw, wq)
         dy = _act(dy.float(), self.precision_bwd)
         return dy @ self._dense(self.precision_bwd)
+
+
+def _int8_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``q(a)·b`` rescaled by a's per-row scales to float32 [T, N]; ``b`` [K, N] int8 (a transposed view is fine).
+
+    Natively an int8 GEMM with exact int32 accumulation; without int8 dot products the same grid multiplied in
+    float32 (the emulation: same numbers up to fp32 rounding of the sums, no speed gain).
+    """
+    q, s = quantize_rows(a.float(), 8)
+    if cpu_int8().native:
+        return torch._int_mm(q, b).float().mul_(s)
+    return (q.float() @ b.float()).mul_(s)
 
 
 def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:

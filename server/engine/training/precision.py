@@ -234,7 +234,7 @@ def plan_job(
         plan = plan_precision(
             loaded.model, calibration_loss(loaded.model, loaded.tokenizer, bucket), weights, backend=backend,
             reference=cap.reference, candidates=menu, budget=cfg.precision_budget, cost="measured", mode="fast",
-            costs=costs, on_progress=lambda f: progress(0.1 + 0.85 * f),
+            costs=costs, on_progress=lambda f: progress(0.1 + 0.85 * f), one_copy=True,
         )  # fmt: skip
     finally:
         _restore_adapter(loaded.model, saved)

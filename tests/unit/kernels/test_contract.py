@@ -131,3 +131,23 @@ def test_torch_bf16_keeps_one_bf16_copy_for_both_directions() -> None:
     fk = make_frozen_linear(wk, None, backend="torch", precision="bf16", name="acc")
     ref = (xk.double() @ wk.double().t()).float()
     assert torch.allclose(fk.forward(xk), ref, rtol=8e-3, atol=1e-2)
+
+
+def test_torch_w8a8_one_int8_copy_native_gemm_equals_its_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lorad.kernels.torch_backend as tb
+    from lorad.kernels.capabilities import CpuFeature, cpu_int8
+
+    w, b, x, dy = _data(out_f=64, in_f=96, t=33)
+    fl = make_frozen_linear(w, b, backend="torch", precision="w8a8", name="probe")
+    # One int8 grid (1 byte per weight) with fp32 per-channel scales and bias serves both directions.
+    assert fl.nbytes == w.numel() + 64 * 4 + b.numel() * 4
+    y, dx = fl.forward(x), fl.input_grad(dy)
+    monkeypatch.setattr(tb, "cpu_int8", lambda: CpuFeature(False, "test: emulate"))
+    y_emu, dx_emu = fl.forward(x), fl.input_grad(dy)
+    # The int8 GEMM accumulates exactly in int32, the emulation in fp32: equal up to fp32 rounding of the sums.
+    assert _err(y, y_emu)[1] < 1e-6 and _err(dx, dx_emu)[1] < 1e-6
+    if cpu_int8().native:  # the real path really is int8: its rounding grid differs from fp32 by the 8-bit error
+        assert 1e-4 < _err(y - b, x @ w.t())[1] <= REL_TOL["w8a8"]
+    # The input gradient folds the weight scale into dy before quantizing, as the ort-cpu w8a8 graphs do.
+    ort = make_frozen_linear(w, b, backend="ort-cpu", precision="w8a8", name="ort")
+    assert _err(dx, ort.input_grad(dy))[1] < REL_TOL["w8a8"] / 2

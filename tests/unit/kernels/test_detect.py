@@ -8,7 +8,7 @@ import platform
 import pytest
 
 from lorad.kernels import BACKENDS, BackendInfo, detect_backend
-from lorad.kernels.capabilities import capability, cpu_bf16
+from lorad.kernels.capabilities import capability, cpu_bf16, cpu_int8
 
 
 def test_auto_picks_a_backend_and_says_why() -> None:
@@ -36,8 +36,9 @@ def test_cpu_bf16_detection_reads_this_cpu() -> None:
 
 
 def test_planner_menu_offers_only_real_precisions() -> None:
-    assert "w8a8" not in capability("torch").planner_menu()  # emulated on torch: never planned
-    assert capability("torch").planner_menu() == (("bf16",) if cpu_bf16().native else ())
+    want = tuple(p for p, f in (("bf16", cpu_bf16), ("w8a8", cpu_int8)) if f().native)
+    assert capability("torch").planner_menu() == want  # native here only; emulated precisions are never planned
+    assert "fp16" not in capability("torch").planner_menu()
     assert capability("ort-cpu").planner_menu() == ("w8a8",)
     assert capability("qnn-htp").reference == "fp16"
     with pytest.raises(ValueError, match="tpu"):

@@ -42,6 +42,7 @@ class TwoLayer(nn.Module):
 
 
 def _setup():
+    torch.manual_seed(0)  # LoRALinear draws A from the global generator: unseeded, the measured drifts vary by run
     g = torch.Generator().manual_seed(0)
     w1, w2 = _on_grid(24, 16, g), _outliers(24, 24, g)
     model = TwoLayer(w1, w2)
@@ -212,3 +213,26 @@ def test_fast_mode_measures_a_dominant_layer_globally() -> None:
     assert easy.local and math.isnan(easy.rel_db)
     assert plan.calibration["global_layers"] == 1.0
     assert plan.precisions("hard") == ("fp32", "fp32")
+
+
+def test_one_copy_plans_both_directions_from_one_stored_weight() -> None:
+    from lorad.kernels.costs import CostTable
+    from lorad.kernels.plan import shares_copy
+
+    model, loss_fn, weights = _setup()
+    # A cost table in which int8 halves every product's time (as on a CPU with int8 dot products).
+    costs = CostTable("torch", 32, "test")
+    for shape in ((24, 16), (24, 24)):
+        for d in ("fwd", "bwd"):
+            costs.ms[CostTable.key(shape, "fp32", d)] = 1.0
+            costs.ms[CostTable.key(shape, "w8a8", d)] = 0.5
+    # int8 moves "hard"'s forward a lot (1.0) and its input gradient little (<0.01): free to mix directions, the
+    # planner lowers only its input gradient, which keeps an int8 and an fp32 copy of the same weight.
+    kwargs = {"candidates": ("w8a8",), "cost": "measured", "costs": costs, "exact_share": 1, "max_layer_error": 0.5}
+    free = plan_precision(model, loss_fn, weights, budget=0.2, **kwargs)
+    one = plan_precision(model, loss_fn, weights, budget=0.2, one_copy=True, **kwargs)
+    assert free.precisions("hard") == ("fp32", "w8a8"), free.table()
+    assert one.precisions("hard") == ("fp32", "fp32"), one.table()
+    assert one.precisions("easy") == ("w8a8", "w8a8"), one.table()  # it still lowers where one copy serves both
+    assert all(shares_copy(*one.precisions(n)) for n in weights)
+    assert one.weight_bytes() < free.weight_bytes()

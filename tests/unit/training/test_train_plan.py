@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from lorad import kernels
 from lorad.kernels import PrecisionPlan, costs
-from lorad.kernels.capabilities import cpu_bf16
+from lorad.kernels.capabilities import capability
 from lorad.kernels.plan_cache import cache_path
 from lorad.server.engine.models import build_model
 from lorad.server.engine.models.config import LEGACY_TARGETS
@@ -133,11 +133,13 @@ def test_resume_without_plan_file_fails_clearly(tmp_path: Path, plan_calls: list
 
 def test_torch_auto_plans_bf16_where_native_and_explicit_precision_is_one_layout(tmp_path: Path) -> None:
     r = _run(tmp_path / "t", tmp_path / "cache", replace(AUTO, backend="torch", steps=2))
-    if cpu_bf16().native:  # bf16 is on the menu; the measured cost decides per layer
+    menu = capability("torch").planner_menu()
+    if menu:  # bf16 / w8a8 native here: on the menu, the measured cost decides per layer
         assert r.precision == "auto" and (tmp_path / "t" / PLAN_FILE).exists()
-        assert all(f in ("fp32", "bf16") and b in ("fp32", "bf16") for _, f, b in r.precision_plan)
+        # One stored copy per layer: both directions at one precision.
+        assert all(f == b and f in ("fp32", *menu) for _, f, b in r.precision_plan), r.precision_plan
         plan = PrecisionPlan.from_dict(json.loads((tmp_path / "t" / PLAN_FILE).read_text()))
-        assert plan.cost_model == "measured" and any("|bf16|" in k for k in plan.costs)
+        assert plan.cost_model == "measured" and all(any(f"|{p}|" in k for k in plan.costs) for p in menu)
     else:  # nothing real to choose: torch stays at its fp32 reference, no planning
         assert r.precision == "fp32" and r.precision_plan == (("*", "fp32", "fp32"),) and r.plan_sha256 is None
         assert not (tmp_path / "t" / PLAN_FILE).exists()
