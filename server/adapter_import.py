@@ -11,9 +11,9 @@ from pathlib import Path
 
 import structlog
 
-from lorad.server.domain import AdapterRec
 from lorad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from lorad.server.jobs.files import remove_tree, tree_size
+from lorad.server.records import AdapterRec
 from lorad.server.services import Services
 from lorad.server.store.db import new_id, now_ms
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
-from lorad.server.domain import AdapterRec
 from lorad.server.exports import adapter_file
 from lorad.server.jobs.files import Layout, remove_tree
 from lorad.server.modelhost import ModelHost
+from lorad.server.records import AdapterRec
 from lorad.server.store.adapters import AdapterRepo
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lorad.server.auth import hash_token, new_token
-from lorad.server.domain import App, Quota
+from lorad.server.records import App, Quota
 from lorad.server.store.apps import AppRepo
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lorad.server.domain import AppendResult, Dataset, SampleBody, StoredSample
+from lorad.server.records import AppendResult, Dataset, SampleBody, StoredSample
 from lorad.server.store.apps import AppRepo
 from lorad.server.store.samples import SampleRepo
 

@@ -13,11 +13,11 @@ import structlog
 from safetensors import SafetensorError
 
 from lorad.server.disk import enforce_export_cap
-from lorad.server.domain import AdapterRec
 from lorad.server.engine.models.atomic import atomic_write
 from lorad.server.errors import FailedPrecondition
 from lorad.server.jobs.files import Layout, remove_tree, scrub_paths
 from lorad.server.modelhost import ModelHost
+from lorad.server.records import AdapterRec
 
 log = structlog.get_logger(__name__)
 CHUNK = 1024 * 1024  # DownloadAdapter chunks are at most 1 MiB

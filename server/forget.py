@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import structlog
 
 from lorad.server import intents
-from lorad.server.domain import ACTIVE_STATES, Job, JobState
 from lorad.server.errors import FailedPrecondition, LoradError, Unavailable
 from lorad.server.jobs.files import remove_tree, tree_size
+from lorad.server.records import ACTIVE_STATES, Job, JobState
 from lorad.server.services import Services
 from lorad.server.store.purge import Purger
 

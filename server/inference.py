@@ -10,9 +10,9 @@ from typing import Any
 
 import structlog
 
-from lorad.server.domain import AdapterRec, Message
 from lorad.server.errors import FailedPrecondition, InvalidArgument
 from lorad.server.modelhost import ModelHost
+from lorad.server.records import AdapterRec, Message
 
 log = structlog.get_logger(__name__)
 

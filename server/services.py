@@ -19,10 +19,10 @@ from lorad.server.device.monitor import ConditionMonitor
 from lorad.server.device.probes import Probe, Readings, make_probe
 from lorad.server.device.profile import DeviceProfile, resolve_profile
 from lorad.server.device.wakelock import WakeLockHooks
-from lorad.server.domain import Job, Requirements
 from lorad.server.intents import SpaceReserve
 from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
 from lorad.server.modelhost import ModelHost
+from lorad.server.records import Job, Requirements
 from lorad.server.rpc.streams import OpenStreams
 from lorad.server.singleton import private_dir
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo

@@ -9,10 +9,10 @@ import zoneinfo
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lorad.server.domain import Requirements, SampleBody, Window
 from lorad.server.engine.training.config import ConfigError, TrainConfig, api_key, api_knobs, job_config
 from lorad.server.engine.training.knobs import Knob
 from lorad.server.errors import InvalidArgument
+from lorad.server.records import Requirements, SampleBody, Window
 
 ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")

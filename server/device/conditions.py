@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from lorad.server.device.probes import Readings
 from lorad.server.device.profile import SERVER_HINT, DeviceProfile
-from lorad.server.domain import Blocked, Requirements
+from lorad.server.records import Blocked, Requirements
 
 PHONE = DeviceProfile("phone", "default")
 

@@ -12,9 +12,9 @@ from typing import Any
 import structlog
 
 from lorad.server.backend import BackendDecision
-from lorad.server.domain import DataSummary, Phase, Progress, SampleBody
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcome, SessionRequest, SessionSink
 from lorad.server.modelhost import ModelHost, import_engine
+from lorad.server.records import DataSummary, Phase, Progress, SampleBody
 
 log = structlog.get_logger(__name__)
 

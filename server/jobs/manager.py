@@ -6,11 +6,11 @@ from collections.abc import Collection
 
 import structlog
 
-from lorad.server.domain import ACTIVE_STATES, Blocked, CheckpointRec, Job, JobEvent, JobSpec, JobState
 from lorad.server.errors import FailedPrecondition, NotFound
 from lorad.server.jobs.files import Layout, remove_tree
 from lorad.server.jobs.hub import EventHub
 from lorad.server.jobs.runner import Runner
+from lorad.server.records import ACTIVE_STATES, Blocked, CheckpointRec, Job, JobEvent, JobSpec, JobState
 from lorad.server.store import AdapterRepo, AppRepo, JobRepo, SampleRepo
 from lorad.server.store.db import page_size
 

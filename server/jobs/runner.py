@@ -19,7 +19,11 @@ import structlog
 
 from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.probes import Readings
-from lorad.server.domain import (
+from lorad.server.errors import FailedPrecondition, NotFound
+from lorad.server.jobs.files import Layout, remove_tree, scrub_paths, tree_size
+from lorad.server.jobs.hub import EventHub
+from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionFactory, SessionRequest
+from lorad.server.records import (
     AdapterRec,
     Blocked,
     CheckpointRec,
@@ -31,10 +35,6 @@ from lorad.server.domain import (
     Progress,
     Requirements,
 )
-from lorad.server.errors import FailedPrecondition, NotFound
-from lorad.server.jobs.files import Layout, remove_tree, scrub_paths, tree_size
-from lorad.server.jobs.hub import EventHub
-from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionFactory, SessionRequest
 from lorad.server.store import AdapterRepo, JobRepo, SampleRepo
 from lorad.server.store.db import new_id, now_ms
 

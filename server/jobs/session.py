@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lorad.server.domain import DataSummary, JobSpec, Phase, Progress, SampleBody
+from lorad.server.records import DataSummary, JobSpec, Phase, Progress, SampleBody
 
 
 class JobFailure(Exception):  # noqa: N818  (reads as the job's outcome)

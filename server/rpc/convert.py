@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorad.server import domain as d
+from lorad.server import records as d
 from lorad.server.config import Config
 from lorad.server.device.probes import Readings
 from lorad.v1 import adapters_pb2, apps_pb2, common_pb2, data_pb2, device_pb2, jobs_pb2

@@ -11,8 +11,8 @@ from typing import Any
 from grpc import aio
 
 from lorad.server import disk
-from lorad.server.domain import JobState
 from lorad.server.jobs.files import tree_size
+from lorad.server.records import JobState
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services

@@ -12,7 +12,6 @@ from typing import Any
 from grpc import aio
 
 from lorad.server import validation as v
-from lorad.server.domain import Message
 from lorad.server.errors import InvalidArgument
 from lorad.server.inference import (
     GenerationQueue,
@@ -21,6 +20,7 @@ from lorad.server.inference import (
     check_generate,
     check_repetition_penalty,
 )
+from lorad.server.records import Message
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services

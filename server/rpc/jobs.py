@@ -10,9 +10,9 @@ from typing import Any
 from grpc import aio
 
 from lorad.server import validation as v
-from lorad.server.domain import JobSpec
 from lorad.server.errors import InvalidArgument, NotFound, Unauthenticated
 from lorad.server.init_adapter import with_init_adapter
+from lorad.server.records import JobSpec
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.scheduler.windows import WindowScheduler

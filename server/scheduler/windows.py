@@ -17,9 +17,9 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 
-from lorad.server.domain import Job, JobSpec, Schedule, Window
 from lorad.server.errors import LoradError, NotFound
 from lorad.server.jobs.manager import JobManager
+from lorad.server.records import Job, JobSpec, Schedule, Window
 from lorad.server.store.schedules import ScheduleRepo
 
 log = structlog.get_logger(__name__)

@@ -7,7 +7,8 @@ import hashlib
 import json
 from typing import Any
 
-from lorad.server.domain import (
+from lorad.server.engine.training.config import api_key, api_knobs, job_config
+from lorad.server.records import (
     CheckpointRec,
     DataSummary,
     JobSpec,
@@ -18,7 +19,6 @@ from lorad.server.domain import (
     SampleBody,
     Window,
 )
-from lorad.server.engine.training.config import api_key, api_knobs, job_config
 
 
 def dumps(value: Any) -> str:

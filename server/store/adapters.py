@@ -6,8 +6,8 @@ import dataclasses
 import json
 import sqlite3
 
-from lorad.server.domain import AdapterRec
 from lorad.server.errors import NotFound
+from lorad.server.records import AdapterRec
 from lorad.server.store._codec import dumps
 from lorad.server.store.db import Database, decode_int_cursor, encode_cursor, page_size
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from lorad.server.domain import App, Quota
 from lorad.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from lorad.server.records import App, Quota
 from lorad.server.store.db import Database, decode_cursor, encode_cursor, now_ms, page_size
 
 

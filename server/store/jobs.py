@@ -6,7 +6,8 @@ import sqlite3
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from lorad.server.domain import (
+from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
+from lorad.server.records import (
     ACTIVE_STATES,
     Blocked,
     CheckpointRec,
@@ -17,7 +18,6 @@ from lorad.server.domain import (
     JobState,
     Progress,
 )
-from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 from lorad.server.store._codec import (
     checkpoint_from_json,
     checkpoint_to_json,

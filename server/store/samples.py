@@ -5,8 +5,8 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 
-from lorad.server.domain import AppendResult, Dataset, Quota, SampleBody, StoredSample
 from lorad.server.errors import InvalidArgument, NotFound, ResourceExhausted
+from lorad.server.records import AppendResult, Dataset, Quota, SampleBody, StoredSample
 from lorad.server.store._codec import body_from_json, body_to_json, content_hash
 from lorad.server.store.db import (
     Database,

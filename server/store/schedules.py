@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lorad.server.domain import JobSpec, Schedule
 from lorad.server.errors import NotFound, ResourceExhausted
+from lorad.server.records import JobSpec, Schedule
 from lorad.server.store._codec import spec_from_json, spec_to_json
 from lorad.server.store.db import Database, new_id, now_ms
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lorad.server.device.conditions import evaluate
 from lorad.server.device.probes import FileProbe, MergedProbe, Readings, SysfsProbe, TermuxProbe
-from lorad.server.domain import Blocked, Requirements
+from lorad.server.records import Blocked, Requirements
 
 REQ = Requirements(require_charging=False, min_battery_percent=50, max_temperature_celsius=40.0, require_idle=True)
 

@@ -10,7 +10,7 @@ from lorad.server.config import ConfigError, build_config
 from lorad.server.device.conditions import evaluate
 from lorad.server.device.probes import Readings
 from lorad.server.device.profile import DeviceProfile, resolve_profile
-from lorad.server.domain import Blocked, Requirements
+from lorad.server.records import Blocked, Requirements
 
 DEFAULT_REQ = Requirements(require_charging=True, min_battery_percent=50, max_temperature_celsius=40.0,
                            require_idle=False)  # fmt: skip

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from lorad.server.backend import decide_backend
-from lorad.server.domain import (
+from lorad.server.engine.training.config import job_config
+from lorad.server.jobs.engine import EngineSession
+from lorad.server.jobs.session import SessionRequest
+from lorad.server.modelhost import ModelHost
+from lorad.server.records import (
     DataSummary,
     JobSpec,
     Message,
@@ -18,10 +22,6 @@ from lorad.server.domain import (
     Requirements,
     SampleBody,
 )
-from lorad.server.engine.training.config import job_config
-from lorad.server.jobs.engine import EngineSession
-from lorad.server.jobs.session import SessionRequest
-from lorad.server.modelhost import ModelHost
 from tests.fixtures.tiny_hf import save_tiny_hf
 
 

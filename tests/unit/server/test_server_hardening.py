@@ -13,10 +13,10 @@ import pytest
 
 from lorad.server import intents
 from lorad.server.auth import hash_token
-from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody
 from lorad.server.engine.training.config import job_config
 from lorad.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unauthenticated
 from lorad.server.jobs.files import scrub_paths
+from lorad.server.records import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody
 from lorad.server.rpc.convert import training_raw
 from lorad.server.singleton import DataDirLock, StartRefusedError, private_dir
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from lorad.server.device.probes import Readings
-from lorad.server.domain import Blocked, EventKind, Job, JobSpec, JobState, Quota, Requirements
 from lorad.server.engine.training.config import job_config
 from lorad.server.jobs import EventHub, Layout, Runner
 from lorad.server.jobs.session import SessionOutcome, SessionRequest, SessionSink
+from lorad.server.records import Blocked, EventKind, Job, JobSpec, JobState, Quota, Requirements
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
 
 SPEC = JobSpec(("ds",), job_config({"steps": 3}), Requirements(False, 0, 80.0, False))

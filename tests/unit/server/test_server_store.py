@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from lorad.server.auth import Authenticator, ensure_owner_token, hash_token
-from lorad.server.domain import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody
 from lorad.server.engine.training.config import job_config
 from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated
+from lorad.server.records import Blocked, JobSpec, JobState, Quota, Requirements, SampleBody
 from lorad.server.rpc.wire import bad_utf8_path
 from lorad.server.store import AppRepo, Database, JobRepo, SampleRepo
 from lorad.v1 import data_pb2

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from lorad.server.domain import JobSpec, Requirements, Window
 from lorad.server.engine.training.config import ConfigError, TrainConfig, api_key, api_knobs, job_config, knobs
 from lorad.server.errors import InvalidArgument
+from lorad.server.records import JobSpec, Requirements, Window
 from lorad.server.store._codec import spec_from_json, spec_hash, spec_to_json
 from lorad.server.validation import build_job_model, build_params
 

@@ -1,4 +1,4 @@
-"""Domain types of the daemon (no protobuf here: rpc/convert.py translates at the edge)."""
+"""The daemon's records: apps, samples, jobs and their states, adapters, schedules (protos only in rpc/convert.py)."""
 
 from __future__ import annotations
 
