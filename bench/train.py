@@ -9,11 +9,18 @@ PEFT fp32 and PEFT bf16.
     .venv/bin/python bench/train.py --quick    # 8 steps, for a smoke run
     .venv/bin/python bench/train.py --json     # last stdout line: one JSON object
     .venv/bin/python bench/train.py --worker lorad-ort-cpu-w8a8 --profile /tmp/prof.txt   # pyinstrument one system
+    .venv/bin/python bench/train.py --model qwen2-0.5b --systems lorad-auto,peft-bf16 --steps 10   # scaling row
+    .venv/bin/python bench/train.py --steps 200 --systems lorad-auto,peft-fp32                     # convergence
+
+lorad-auto is run twice: first with an empty plan cache (planning cold: `plan_cold_s`, `time_to_first_step_cold_s`),
+then as measured with the plan cached (`time_to_first_step_s`, warm). ``--busy N`` keeps N other processes spinning
+during both, as a phone doing something else would.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -49,6 +56,70 @@ OVERLAP_SYSTEMS = {
 }
 ALL_LORAD = LORAD_SYSTEMS | HTP_SYSTEMS | OVERLAP_SYSTEMS
 PEFT_SYSTEMS = ("peft-fp32", "peft-bf16")
+# Random-weight models of other sizes for the scaling row (speed only: their losses mean nothing). Shapes of Qwen2-0.5B.
+MODEL_PRESETS = {
+    "qwen2-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        "use_sliding_window": False,
+    },
+}  # fmt: skip
+
+
+def model_source(name: str | None, cache: Path) -> Path | None:
+    """None (the bundled SmolLM2), an HF folder, or a preset built once in the cache: random bf16-exact weights
+    (seeded, std 0.02) and SmolLM2's tokenizer (its ids fit any larger vocabulary)."""
+    if name is None or name not in MODEL_PRESETS:
+        return None if name is None else Path(name)
+    out = cache / "bench-models" / name
+    if (out / "model.safetensors").exists():
+        return out
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from lorad.server.engine.models.loader import resolve
+
+    cfg = MODEL_PRESETS[name]
+    d, f, v, hd = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        cfg["hidden_size"] // cfg["num_attention_heads"],
+    )
+    kv = cfg["num_key_value_heads"] * hd
+    g = torch.Generator().manual_seed(SEED)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).bfloat16()
+
+    sd = {"model.embed_tokens.weight": rnd(v, d), "model.norm.weight": torch.ones(d).bfloat16()}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for n, shape in {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+                         "self_attn.o_proj": (d, d), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
+                         "mlp.down_proj": (d, f)}.items():  # fmt: skip
+            sd[p + n + ".weight"] = rnd(*shape)
+        for n in ("q_proj", "k_proj", "v_proj"):  # Qwen2 has q/k/v biases
+            sd[p + f"self_attn.{n}.bias"] = rnd(sd[p + f"self_attn.{n}.weight"].shape[0])
+        sd[p + "input_layernorm.weight"] = torch.ones(d).bfloat16()
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(d).bfloat16()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    smol = resolve(None, cache).path
+    for t in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (smol / t).exists():
+            shutil.copy(smol / t, tmp / t)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
 
 # -- deterministic, natural-looking corpus (no downloads) ---------------------------------------------------------
 _PEOPLE = ["Mara", "the old baker", "my neighbour", "Tomas", "the ferry captain", "a young teacher", "Ines", "Grandpa"]
@@ -220,20 +291,25 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     plan_info: dict[str, Any] = {}
     job = None
     cache = Path(a.cache)
+    source = model_source(a.model, cache)
     auto = system.startswith("lorad-auto") and plans_here(backend, "auto")
     with tempfile.TemporaryDirectory() as work:
         if auto:
             # The product's "auto" path: a cached plan is built directly; otherwise plan (cold) and re-lower.
             auto_cfg = replace(cfg, precision="auto")
-            job = known_plan(resolve(None, cache).model_hash, auto_cfg, backend=backend, work_dir=Path(work),
+            job = known_plan(resolve(source, cache).model_hash, auto_cfg, backend=backend, work_dir=Path(work),
                              cache_root=cache, resuming=False)  # fmt: skip
             plan_info["plan_warm"] = job is not None
-        loaded = load_model(None, cache_root=cache, backend=backend, precision=job.plan if job else precision,
+        loaded = load_model(source, cache_root=cache, backend=backend, precision=job.plan if job else precision,
                             lora=lora)  # fmt: skip
         if auto and job is None:
             t_plan = time.perf_counter()
-            job = plan_job(loaded, auto_cfg, backend=backend, work_dir=Path(work), cache_root=cache)
+            ticks = [t_plan]
+            job = plan_job(loaded, auto_cfg, backend=backend, work_dir=Path(work), cache_root=cache,
+                           on_progress=lambda _f: ticks.append(time.perf_counter()))  # fmt: skip
             plan_info["plan_s"] = time.perf_counter() - t_plan
+            # The planner's own progress granularity (the daemon adds a 1 s heartbeat on top of it).
+            plan_info["plan_progress_max_gap_s"] = max(b - a for a, b in itertools.pairwise(ticks))
     if job is not None:
         counts: dict[str, int] = {}
         for _n, pf, pb in job.layers():
@@ -246,6 +322,7 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     rss_load, peak_load = _rss_mb()
     data, tok = _data(loaded.checkpoint.path, cfg)
     trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id or 0)
+    plan_info["model"] = str(loaded.checkpoint.path.name if source is not None else "SmolLM2-135M-Instruct")
     prof = None
     if a.profile:
         from pyinstrument import Profiler
@@ -313,8 +390,8 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     cfg = _train_cfg(a.steps, "torch", "fp32")
     seed_everything(SEED)
     t0 = time.perf_counter()
-    model_dir = resolve(None, Path(a.cache)).path
-    base = tf.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model_dir = resolve(model_source(a.model, Path(a.cache)), Path(a.cache)).path
+    base = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     base.config.use_cache = False
     pcfg = peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS, bias="none", task_type="CAUSAL_LM"
@@ -380,22 +457,25 @@ def run_worker(a: argparse.Namespace) -> None:
 
 
 # -- driver ------------------------------------------------------------------------------------------------------
-def _spawn(system: str, a: argparse.Namespace, init: Path) -> dict:
+def _spawn(
+    system: str, a: argparse.Namespace, init: Path, *, cache: str | None = None, steps: int | None = None
+) -> dict:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--worker",
         system,
         "--steps",
-        str(a.steps),
+        str(steps or a.steps),
         "--warmup",
         str(a.warmup),
         "--cache",
-        a.cache,
+        cache or a.cache,
         "--init",
         str(init),
         "--threads",
         str(a.threads),
+        *(["--model", a.model] if a.model else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
@@ -407,6 +487,30 @@ def _spawn(system: str, a: argparse.Namespace, init: Path) -> dict:
     r = json.loads(lines[-1][len(MARK) :])
     r["system"], r["wall_s"] = system, time.perf_counter() - t0
     return r
+
+
+def _init_path(a: argparse.Namespace) -> Path:
+    return Path(a.cache) / f"bench-init-adapter-{Path(a.model).name if a.model else 'smollm2'}.safetensors"
+
+
+def _cold_plan(a: argparse.Namespace, init: Path) -> dict[str, Any]:
+    """lorad-auto for 2 steps with an empty plan and cost cache (the converted model is reused): what a first job on a
+    new device waits for."""
+    print("# running lorad-auto with an empty plan cache (cold) ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "models").symlink_to(Path(a.cache).resolve() / "models")
+        if (Path(a.cache) / "bench-models").exists():
+            (Path(tmp) / "bench-models").symlink_to(Path(a.cache).resolve() / "bench-models")
+        r = _spawn("lorad-auto", a, init, cache=tmp, steps=2)
+    if "error" in r:
+        return {"plan_cold_error": r["error"]}
+    return {"plan_cold_s": r.get("plan_s"), "time_to_first_step_cold_s": r.get("time_to_first_step_s"),
+            "plan_progress_max_gap_s": r.get("plan_progress_max_gap_s"), "busy_processes": a.busy}  # fmt: skip
+
+
+def _spin(n: int) -> list[subprocess.Popen]:
+    """n processes that keep a core busy each (the "another process keeps both cores busy" condition)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def _table(rows: list[dict]) -> str:
@@ -454,19 +558,23 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--init", help=argparse.SUPPRESS)
     ap.add_argument("--profile", default=None, help="with --worker: write a pyinstrument report of the steps here")
+    ap.add_argument(
+        "--model", default=None, help=f"an HF folder or a preset ({', '.join(MODEL_PRESETS)}); default SmolLM2"
+    )
+    ap.add_argument("--busy", type=int, default=0, help="spin N other processes during lorad-auto's cold and warm runs")
     a = ap.parse_args()
     a.steps = a.steps or (8 if a.quick else 30)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
     if a.worker:
         if not a.init:
-            a.init = str(Path(a.cache) / "bench-init-adapter.safetensors")
+            a.init = str(_init_path(a))
         run_worker(a)
         return
     from lorad.server.engine.models.loader import resolve
 
     t0 = time.perf_counter()
-    model_dir = resolve(None, Path(a.cache)).path  # converts the bundled GGUF once (cached afterwards)
-    init = Path(a.cache) / "bench-init-adapter.safetensors"
+    model_dir = resolve(model_source(a.model, Path(a.cache)), Path(a.cache)).path  # GGUF converted once, then cached
+    init = _init_path(a)
     make_init_adapter(model_dir, init)
     systems = [
         *LORAD_SYSTEMS,
@@ -478,14 +586,23 @@ def main() -> None:
         systems = [s for s in a.systems.split(",") if s]
     rows = []
     for s in systems:
-        print(f"# running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
-        rows.append(_spawn(s, a, init))
+        cold: dict[str, Any] = {}
+        busy = _spin(a.busy if s == "lorad-auto" else 0)
+        try:
+            if s == "lorad-auto":
+                cold = _cold_plan(a, init)
+            print(f"# running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
+            rows.append(_spawn(s, a, init) | cold)
+        finally:
+            for b in busy:
+                b.kill()
         r = rows[-1]
         msg = r.get("error") or f"{r['tokens_per_s']:.1f} tok/s, peak {r['peak_rss_mb']:.0f} MiB, {r['wall_s']:.0f}s"
         print(f"#   {s}: {msg}", file=sys.stderr, flush=True)
     table = _table(rows)
     print(
-        f"SmolLM2-135M-Instruct, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on q,k,v,o,gate,up,down, "
+        f"{a.model or 'SmolLM2-135M-Instruct'}, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on all 7 "
+        "projections, "
         f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, total {time.perf_counter() - t0:.0f}s"
     )
     print(table)

@@ -87,6 +87,7 @@ def measure(
     rows: int,
     cache_dir: Path | None = None,
     repeats: int = 3,
+    on_progress: Callable[[float], None] | None = None,
 ) -> CostTable:
     """The cost table for every (shape, precision, direction), measuring only what the cache lacks.
 
@@ -97,6 +98,7 @@ def measure(
         rows: token rows per call the plan is for (the sequence bucket).
         cache_dir: where ``costs-<hash>.json`` lives (None: no cache).
         repeats: timed calls per entry (median).
+        on_progress: called with the fraction of entries done (0..1) as it goes.
     """
     machine = machine_fingerprint(backend)
     table = CostTable(backend, rows, machine)
@@ -112,22 +114,24 @@ def measure(
             pass
     gen = torch.Generator().manual_seed(0)
     added = 0
-    for shape in sorted(set(shapes)):
-        for p in precisions:
-            if all(CostTable.key(shape, p, d) in table.ms for d in ("fwd", "bwd")):
-                continue
-            w = torch.randn(shape, generator=gen) * 0.02
-            try:
-                fl = make_frozen_linear(w, None, backend=backend, precision=p, name=f"cost:{shape}")
-            except ValueError:
-                continue
-            r = max(_MIN_ROWS, min(rows, _MAX_MACS // (shape[0] * shape[1])))
-            x = torch.randn(r, shape[1], generator=gen)
-            dy = torch.randn(r, shape[0], generator=gen)
-            scale = rows / r
-            table.ms[CostTable.key(shape, p, "fwd")] = _time_call(fl.forward, x, repeats) * scale
-            table.ms[CostTable.key(shape, p, "bwd")] = _time_call(fl.input_grad, dy, repeats) * scale
-            added += 1
+    todo = [(shape, p) for shape in sorted(set(shapes)) for p in precisions]
+    for i, (shape, p) in enumerate(todo):
+        if on_progress is not None:
+            on_progress(i / len(todo))
+        if all(CostTable.key(shape, p, d) in table.ms for d in ("fwd", "bwd")):
+            continue
+        w = torch.randn(shape, generator=gen) * 0.02
+        try:
+            fl = make_frozen_linear(w, None, backend=backend, precision=p, name=f"cost:{shape}")
+        except ValueError:
+            continue
+        r = max(_MIN_ROWS, min(rows, _MAX_MACS // (shape[0] * shape[1])))
+        x = torch.randn(r, shape[1], generator=gen)
+        dy = torch.randn(r, shape[0], generator=gen)
+        scale = rows / r
+        table.ms[CostTable.key(shape, p, "fwd")] = _time_call(fl.forward, x, repeats) * scale
+        table.ms[CostTable.key(shape, p, "bwd")] = _time_call(fl.input_grad, dy, repeats) * scale
+        added += 1
     if path is not None and added:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

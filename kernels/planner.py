@@ -263,7 +263,8 @@ def _plan_fast(
     impls: dict[tuple[str, str], Any] = {}
     plans: dict[str, LayerPlan] = {}
     ref_time: dict[str, float] = {}
-    for n, sl in slots.items():
+    for i, (n, sl) in enumerate(slots.items()):
+        on_progress(0.3 + 0.2 * i / max(len(slots), 1))
         x, dy = sl.captured()
         lp = LayerPlan(n, (sl.out_features, sl.in_features), reference, reference)
         shape = (sl.out_features, sl.in_features)

@@ -10,6 +10,7 @@ kill -9), so no acknowledged data or finished step beyond the last checkpoint is
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
@@ -396,8 +397,11 @@ class Runner:
         remove_tree(self.layout.job_dir(job.app_id, job.job_id))
 
 
-# A PHASE event is written when the phase changes or its fraction moved on by this much (planning reports often).
+# A PHASE event is written when the phase changes, its fraction moved on by this much (planning reports often), or
+# this long after the last one (a listener hears at least every ~1 s from a slow phase; the engine's planning
+# heartbeat repeats the fraction once a second).
 PHASE_EVENT_STEP = 0.05
+PHASE_EVENT_EVERY_S = 1.0
 
 
 class _Sink:
@@ -409,6 +413,7 @@ class _Sink:
 
     def __init__(self, runner: Runner, job_id: str) -> None:
         self.r, self.job_id = runner, job_id
+        self._phase_at = 0.0  # monotonic time of the last PHASE event
 
     def _job(self) -> Job:
         return self.r.jobs.get(self.job_id)
@@ -463,12 +468,14 @@ class _Sink:
 
     def phase(self, phase: Phase, fraction: float | None) -> None:
         cur = self._job().progress
+        now = time.monotonic()
         if cur.phase is phase:
             moved = fraction is not None and (
                 cur.phase_fraction is None or abs(fraction - cur.phase_fraction) >= PHASE_EVENT_STEP or fraction >= 1
             )
-            if not moved:
+            if not moved and now - self._phase_at < PHASE_EVENT_EVERY_S:
                 return
+        self._phase_at = now
         self._record(EventKind.PHASE, replace(cur, phase=phase, phase_fraction=fraction))
 
     def data(self, summary: DataSummary) -> None:

@@ -23,6 +23,7 @@ from lorad.server.engine.models.cache import (
 )
 from lorad.server.engine.models.config import LoraConfig, ModelConfig
 from lorad.server.engine.models.gguf_read import read_gguf
+from lorad.server.engine.models.heap import release_free_heap
 from lorad.server.engine.models.hf_folder import is_hf_folder, read_config, read_weights
 from lorad.server.engine.models.model import CausalLM
 from lorad.server.engine.models.tokenizer import ChatTokenizer
@@ -174,6 +175,7 @@ def load_model(
         model_hash=ck.model_hash,
     )
     tok = ChatTokenizer.from_dir(ck.path)
+    release_free_heap()  # the full-precision copies the build went through
     log.info(
         "model_loaded",
         model_hash=ck.model_hash[:16],

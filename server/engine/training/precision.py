@@ -227,7 +227,8 @@ def plan_job(
     bucket = seq_bucket(cfg.seq_len)
     shapes = {(int(w.shape[0]), int(w.shape[1])) for w, _ in weights.values()}
     progress(0.0)
-    costs = measure(backend, shapes, (cap.reference, *menu), rows=bucket, cache_dir=cache_root / PLAN_CACHE)
+    costs = measure(backend, shapes, (cap.reference, *menu), rows=bucket, cache_dir=cache_root / PLAN_CACHE,
+                    on_progress=lambda f: progress(0.1 * f))  # fmt: skip
     progress(0.1)
     saved = _seeded_adapter(loaded.model)
     try:
@@ -244,6 +245,9 @@ def plan_job(
     job = _persist(work_dir, plan, reused=False)
     rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
                          cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
+    from lorad.server.engine.models.heap import release_free_heap
+
+    release_free_heap()  # the reference copies and captured activations planning went through
     progress(1.0)
     log.info("job_precision_planned", rebuilt=rebuilt, sha256=job.sha256[:16], **plan.summary())
     return job

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,38 @@ class RecipeResult:
 
 def _no_phase(phase: str, fraction: float | None) -> None:
     """The default `on_phase`: nobody listens."""
+
+
+class _Heartbeat:
+    """Reports a fraction when it moves and again every ``period_s`` from a timer thread, so a listener hears from a
+    phase whose single steps take long (one planning pass is 1-2 s on a quiet phone-class CPU and several times that
+    on a busy one)."""
+
+    def __init__(self, report: Callable[[float], None], period_s: float = 1.0) -> None:
+        self._report, self._period = report, period_s
+        self._fraction = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lorad-heartbeat", daemon=True)
+
+    def set(self, fraction: float) -> None:
+        with self._lock:
+            self._fraction = fraction
+            self._report(fraction)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            with self._lock:
+                self._report(self._fraction)
+
+    def __enter__(self) -> _Heartbeat:
+        self.set(0.0)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def seed_everything(seed: int) -> None:
@@ -113,7 +146,8 @@ def run_recipe(
         should_pause: polled at step boundaries; True → checkpoint and return status "paused".
         load: model loader with `lorad.server.engine.models.loader.load_model`'s signature (tests inject tiny models).
         save_adapter: writes the finished adapter; returns its directory.
-        on_phase: told when the run enters a phase (see `PhaseCallback`); called on the training thread.
+        on_phase: told when the run enters a phase (see `PhaseCallback`); called on the training thread (planning's
+            heartbeat also from a timer thread, one call at a time).
         on_loaded: called with the LoadedModel once it is built at its final precisions, before any checkpoint is
             restored (its adapter is the fresh one: B = 0, so it computes the base model's loss).
         backend: the backend decided by the caller (the daemon), used as given; None resolves ``cfg.backend`` here.
@@ -158,8 +192,8 @@ def run_recipe(
                            cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
     if planning and job_plan is None:
         # Before the Trainer: its optimizer and hooks must see the re-lowered model.
-        phase("planning", 0.0)
-        job_plan = plan_job(loaded, cfg, on_progress=lambda f: phase("planning", f), **plan_args)
+        with _Heartbeat(lambda f: phase("planning", f)) as beat:
+            job_plan = plan_job(loaded, cfg, on_progress=beat.set, **plan_args)
     if planning:
         precision = "auto"
     if on_loaded is not None:

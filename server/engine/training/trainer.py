@@ -67,7 +67,8 @@ PhaseCallback = Callable[[str, float | None], None]
 """``on_phase(phase, fraction)``: the run entered ``phase`` ("loading", "planning", "training", "evaluating",
 "exporting"); ``fraction`` is the progress within it (0..1) or None for phases without a measure. The recipe reports
 loading/planning/exporting, the trainer "training" when its loop starts and "evaluating" before each held-out pass;
-each ``on_progress`` call means a training step finished (phase "training" again). Called on the training thread."""
+each ``on_progress`` call means a training step finished (phase "training" again). Called on the training thread, except
+that "planning" is also repeated about once a second from a heartbeat thread (never concurrently with another call)."""
 
 
 @dataclass(frozen=True)

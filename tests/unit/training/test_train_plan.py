@@ -166,3 +166,26 @@ def test_a_plan_cached_under_the_short_name_key_is_reused_and_restored(tmp_path:
     r = _run(tmp_path / "second", cache)
     assert plan_calls == [1], "the legacy entry served the plan: no planning"
     assert r.precision_plan == ref.precision_plan and new_path.is_file()
+
+
+def test_planning_reports_at_least_every_second_even_when_one_pass_is_slow(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    real = kernels.plan_precision
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(2.6)  # one pass of a busy phone: no progress callback from the planner meanwhile
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernels, "plan_precision", slow)
+    seen: list[tuple[float, float | None]] = []
+    _run(
+        tmp_path / "job",
+        tmp_path / "cache",
+        on_phase=lambda p, f: p == "planning" and seen.append((time.monotonic(), f)),
+    )
+    times = [t for t, _ in seen]
+    assert len(times) >= 4 and seen[-1][1] == 1.0  # 0.0, >= 2 heartbeats during the sleep, ..., 1.0
+    assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 2.0  # the product promise: an event per 2 s
