@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lorad.kernels import LoRALinear
+from lorad.kernels.capabilities import cpu_bf16
 from lorad.kernels.torch_backend import TorchFrozenLinear
+from lorad.server.engine.models.attention import causal_attention_bf16
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
 from lorad.server.engine.models.layers import apply_rope, linear_cross_entropy, rms_norm, rope_inv_freq, swiglu
@@ -89,6 +91,11 @@ class Attention(nn.Module):
             self.register_buffer("q_norm", norms["q_norm"], persistent=False)
             self.register_buffer("k_norm", norms["k_norm"], persistent=False)
 
+    def _bf16_attention(self) -> bool:
+        """Training attention runs its products in bf16 (attention.py) when this layer's frozen products already run
+        below fp32 on a CPU with bf16 dot products; an fp32 job (and the planner's fp32 reference) stays fp32."""
+        return self.q_proj.frozen.precision_fwd != "fp32" and cpu_bf16().native
+
     def forward(  # noqa: PLR0917 (hot path: positional args keep the per-layer call cheap)
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int, adapter: Any
     ) -> Tensor:
@@ -106,7 +113,9 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.update(layer, k, v)
-        if past == 0:
+        if past == 0 and t > 1 and torch.is_grad_enabled() and self._bf16_attention():
+            y = causal_attention_bf16(q, k, v)  # training: bf16 GEMMs, fp32 softmax (eval and generation: below)
+        elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         elif t == 1:  # one new token attends to everything cached
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

@@ -1,0 +1,68 @@
+"""Causal grouped-query attention for training with bf16 matrix products (fp32 softmax), on CPUs with bf16 dot products.
+
+Why not ``F.scaled_dot_product_attention``: at training shapes (one sequence of 256 tokens, 9 heads of 64, 3 KV heads)
+torch's CPU flash kernel runs forward + backward in 5.6 ms per layer in fp32 (and 6.1 ms with bf16 inputs), 2 threads,
+Zen 5; this one takes 3.6 ms: the four products per direction are plain bf16 GEMMs (oneDNN, fp32 accumulation) over
+the whole [T, T] score matrix, which at T <= 512 is small (9 x 256 x 256 x 2 bytes = 1.2 MB saved per layer).
+Error vs exact fp32 attention: ~4e-3 relative (output and all three input gradients), the bf16 rounding of scores,
+probabilities and operands; softmax and its backward stay in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_BF16 = torch.bfloat16
+
+
+def _grouped(x: Tensor, kv_heads: int) -> Tensor:
+    """[B, H, T, D] -> [B, KV, (H/KV)*T, D] in bf16: the query heads that share one KV head, stacked along T."""
+    b, h, t, d = x.shape
+    return x.to(_BF16).contiguous().view(b, kv_heads, (h // kv_heads) * t, d)
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, h, t, d = q.shape
+        kv = k.shape[1]
+        qg, kb, vb = _grouped(q, kv), k.to(_BF16).contiguous(), v.to(_BF16).contiguous()
+        scale = 1.0 / math.sqrt(d)
+        s = torch.matmul(qg, kb.transpose(-1, -2)).float().view(b, kv, h // kv, t, t)
+        s.mul_(scale).masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1), float("-inf"))
+        p = torch.softmax(s, dim=-1).to(_BF16).view(b, kv, (h // kv) * t, t)
+        out = torch.matmul(p, vb).float().view(b, h, t, d)
+        ctx.save_for_backward(qg, kb, vb, p)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        qg, kb, vb, p = ctx.saved_tensors
+        b, kv, gt, d = qg.shape
+        t = kb.shape[2]
+        h = gt // t * kv
+        do = _grouped(dout, kv)
+        dv = torch.matmul(p.transpose(-1, -2), do).float()
+        dp = torch.matmul(do, vb.transpose(-1, -2)).float()
+        pf = p.float()
+        # softmax backward: dS = P * (dP - rowsum(dP * P)); masked entries have P = 0 and get 0.
+        ds = dp.sub_((dp * pf).sum(-1, keepdim=True)).mul_(pf).mul_(ctx.scale).to(_BF16)
+        dq = torch.matmul(ds, kb).float().view(b, h, t, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qg).float()
+        return dq, dk, dv
+
+
+def causal_attention_bf16(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention of q [B, H, T, D] over k, v [B, KV, T, D] (H a multiple of KV), returned as fp32 [B, H, T, D].
+
+    Differentiable w.r.t. q, k and v; the products run in bf16 with fp32 accumulation, softmax in fp32.
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
+    out: Tensor = _CausalAttention.apply(q, k, v)
+    return out

@@ -1,0 +1,58 @@
+"""Training attention in bf16: matches exact causal attention (output and all input gradients) within bf16 error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lorad.server.engine.models.attention import causal_attention_bf16
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "t"), [(9, 3, 64), (4, 4, 17), (6, 1, 5)])
+def test_matches_exact_causal_attention_within_bf16_error(heads: int, kv_heads: int, t: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, heads, t, 32, generator=g, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out = causal_attention_bf16(qf, kf, vf)
+    grads = torch.autograd.grad(out, (qf, kf, vf), dout.float())
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b).norm() / b.norm())
+
+    # bf16 operands (unit roundoff 2^-9) and fp32 softmax: ~4e-3 measured; an fp32 accumulator would also pass, a
+    # wrong mask, head grouping or softmax backward would not (errors of order 1).
+    assert rel(out, ref) < 1.5e-2
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel(got, want) < 2.5e-2
+
+
+def test_rejects_heads_that_do_not_group() -> None:
+    q, kv = torch.zeros(1, 5, 4, 8), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="not a multiple"):
+        causal_attention_bf16(q, kv, kv)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_model_trains_with_it_only_below_fp32(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
+    import lorad.server.engine.models.model as model_mod
+    from lorad.kernels.capabilities import cpu_bf16
+    from lorad.server.engine.models import LoraConfig, build_model
+    from tests.unit.training.test_train_recipe import MCFG, _weights
+
+    calls: list[int] = []
+    real = model_mod.causal_attention_bf16
+    monkeypatch.setattr(model_mod, "causal_attention_bf16", lambda *a: calls.append(1) or real(*a))
+    m = build_model(MCFG, _weights(), backend="torch", precision=precision, lora=LoraConfig(rank=2, alpha=4.0))
+    ids = torch.randint(0, MCFG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    m(ids, ids).backward()
+    with torch.no_grad():
+        m(ids, ids)  # eval: exact attention
+    want = MCFG.num_layers if precision == "bf16" and cpu_bf16().native else 0
+    assert len(calls) == want
