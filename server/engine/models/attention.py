@@ -32,28 +32,31 @@ class _CausalAttention(torch.autograd.Function):
         kv = k.shape[1]
         qg, kb, vb = _grouped(q, kv), k.to(_BF16).contiguous(), v.to(_BF16).contiguous()
         scale = 1.0 / math.sqrt(d)
-        s = torch.matmul(qg, kb.transpose(-1, -2)).float().view(b, kv, h // kv, t, t)
-        s.mul_(scale).masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1), float("-inf"))
+        # The scale goes on the [gT, D] operand, not the [gT, T] scores (one pass less over the big matrix).
+        s = torch.matmul(qg * scale, kb.transpose(-1, -2)).float().view(b, kv, h // kv, t, t)
+        s.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1), float("-inf"))
         p = torch.softmax(s, dim=-1).to(_BF16).view(b, kv, (h // kv) * t, t)
         out = torch.matmul(p, vb).float().view(b, h, t, d)
-        ctx.save_for_backward(qg, kb, vb, p)
+        ctx.save_for_backward(qg, kb, vb, p, out)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        qg, kb, vb, p = ctx.saved_tensors
+        qg, kb, vb, p, out = ctx.saved_tensors
         b, kv, gt, d = qg.shape
         t = kb.shape[2]
         h = gt // t * kv
         do = _grouped(dout, kv)
         dv = torch.matmul(p.transpose(-1, -2), do).float()
-        dp = torch.matmul(do, vb.transpose(-1, -2)).float()
-        pf = p.float()
-        # softmax backward: dS = P * (dP - rowsum(dP * P)); masked entries have P = 0 and get 0.
-        ds = dp.sub_((dp * pf).sum(-1, keepdim=True)).mul_(pf).mul_(ctx.scale).to(_BF16)
-        dq = torch.matmul(ds, kb).float().view(b, h, t, d)
-        dk = torch.matmul(ds.transpose(-1, -2), qg).float()
+        dp = torch.matmul(do, vb.transpose(-1, -2))
+        # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O) per query row: a
+        # [gT, D] product instead of a [gT, T] one. Masked entries have P = 0 and get 0. dS is formed in bf16 (it
+        # feeds bf16 GEMMs next), the row sums in fp32.
+        rows = (dout * out).sum(-1).view(b, kv, gt, 1)
+        ds = dp.sub_(rows.to(_BF16)).mul_(p)
+        dq = torch.matmul(ds, kb).float().mul_(ctx.scale).view(b, h, t, d)
+        dk = torch.matmul(ds.transpose(-1, -2), qg).float().mul_(ctx.scale)
         return dq, dk, dv
 
 
