@@ -13,6 +13,8 @@
 #   LORAD_ARM64_MIRROR  Debian mirror, default http://deb.debian.org/debian
 #   LORAD_ARM64_HOST_CA CA bundle pip uses inside the root, default the host's /etc/ssl/certs/ca-certificates.crt
 #   LORAD_HOST_PYTHON   host Python with lorad's dev extra (builds the wheel and the tiny model), default .venv
+#   LORAD_ARM64_QEMU_SUITE  Debian suite whose static qemu-aarch64 runs the root, default trixie (qemu 10.0)
+#   LORAD_ARM64_QEMU_CPU    qemu's CPU model (QEMU_CPU), default max,sve=off,sme=off
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,8 +25,16 @@ MIRROR="${LORAD_ARM64_MIRROR:-http://deb.debian.org/debian}"
 HOST_PY="${LORAD_HOST_PYTHON:-$REPO/.venv/bin/python}"
 ROOT="$CACHE/root-$SUITE"
 DIST="$CACHE/dist"
-# qemu-user's CPU model (read by qemu from QEMU_CPU in every emulated process); see deploy/README.md.
-QEMU_CPU_MODEL="${LORAD_ARM64_QEMU_CPU:-max}"
+# qemu-user's CPU model (read by qemu from QEMU_CPU in every emulated process): max has BF16/I8MM/dotprod like a
+# recent phone core; SVE and SME are off because numpy's OpenBLAS SVE kernels give wrong products under qemu 10
+# (see deploy/README.md).
+QEMU_CPU_MODEL="${LORAD_ARM64_QEMU_CPU:-max,sve=off,sme=off}"
+# qemu-user comes from this Debian suite, fetched into the cache: bookworm's qemu 7.2 segfaults in ORT and torch.
+QEMU_SUITE="${LORAD_ARM64_QEMU_SUITE:-trixie}"
+QEMU_DIR="$CACHE/qemu-$QEMU_SUITE"
+QEMU_BIN="$QEMU_DIR/qemu-aarch64"
+# The binfmt_misc entry's name: mmdebstrap looks for exactly this one to learn that the F flag is set.
+BINFMT=/proc/sys/fs/binfmt_misc/qemu-aarch64
 HOST_CA="${LORAD_ARM64_HOST_CA:-/etc/ssl/certs/ca-certificates.crt}"
 PATH_IN_ROOT=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
@@ -58,35 +68,78 @@ enter() {
 
 # --- stages (each runs as `test-userland.sh --stage NAME` under its own timeout) ---
 
+# Downloads qemu-user from $QEMU_SUITE with a private apt configuration (the host's sources stay untouched) and keeps
+# its static qemu-aarch64 in the cache.
+fetch_qemu() {
+    if [ -x "$QEMU_BIN" ] && [ -f "$QEMU_DIR/.ok" ]; then
+        return 0
+    fi
+    local apt="$QEMU_DIR/apt"
+    rm -rf "$QEMU_DIR"
+    mkdir -p "$apt/lists/partial" "$apt/cache/archives/partial" "$apt/deb"
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $MIRROR $QEMU_SUITE main" > "$apt/sources.list"
+    local opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+        -o "Dir::State::Lists=$apt/lists" -o "Dir::Cache=$apt/cache" -o APT::Architecture=amd64
+        -o Debug::NoLocking=1 -o APT::Sandbox::User=root)
+    say "fetching qemu-user from Debian $QEMU_SUITE (private apt lists in $apt)"
+    apt-get "${opts[@]}" -qq update
+    (cd "$apt/deb" && apt-get "${opts[@]}" -qq download qemu-user)
+    dpkg-deb -x "$apt"/deb/qemu-user_*.deb "$apt/x"
+    install -m 0755 "$apt/x/usr/bin/qemu-aarch64" "$QEMU_BIN"
+    file -L "$QEMU_BIN" | grep -q 'static' || die "$QEMU_BIN is not statically linked (needed with the F flag)"
+    rm -rf "$apt/x" "$apt/cache" "$apt/lists"
+    touch "$QEMU_DIR/.ok"
+}
+
 stage_host() {
     [ "$(id -u)" = 0 ] || die "needs root (chroot and mounts)"
     [ "$(uname -m)" = x86_64 ] || say "host is $(uname -m), not x86_64: continuing"
     local need=()
-    command -v qemu-aarch64-static > /dev/null || need+=(qemu-user-static)
-    command -v update-binfmts > /dev/null || need+=(binfmt-support)
     command -v mmdebstrap > /dev/null || need+=(mmdebstrap)
+    command -v arch-test > /dev/null || need+=(arch-test)
+    command -v file > /dev/null || need+=(file)
     if [ "${#need[@]}" -gt 0 ]; then
         say "installing ${need[*]}"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
     fi
-    # qemu-user-static registers with the F flag (interpreter opened at registration), so a chroot needs no copy
-    # of qemu inside it. Containers often start without binfmt_misc mounted: mount it, then (re-)enable the entry.
+    fetch_qemu
+    say "qemu: $("$QEMU_BIN" --version | head -1)"
+    # Containers often start without binfmt_misc mounted: mount it.
     if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then
         mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc \
             || die "cannot mount binfmt_misc (tried: mount -t binfmt_misc); this kernel/container blocks it"
     fi
-    if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
-        update-binfmts --enable qemu-aarch64 || die "update-binfmts --enable qemu-aarch64 failed"
+    # Register the cached qemu for aarch64 ELF with the F flag (the kernel opens it now, so the chroot needs no copy)
+    # and P (argv[0] kept). A host entry of the same name (Debian's qemu-user-static) is replaced for the run and
+    # put back at its end (restore_binfmt).
+    if [ -e "$BINFMT" ] && ! grep -qx "interpreter $QEMU_BIN" "$BINFMT"; then
+        echo -1 > "$BINFMT"
     fi
-    grep -q '^flags: .*F' /proc/sys/fs/binfmt_misc/qemu-aarch64 \
-        || die "qemu-aarch64 binfmt entry lacks the F flag; a chroot would need qemu copied into it"
-    say "binfmt: $(tr '\n' ' ' < /proc/sys/fs/binfmt_misc/qemu-aarch64)"
+    if [ ! -e "$BINFMT" ]; then
+        local magic='\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00'
+        local mask='\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff'
+        printf ':qemu-aarch64:M::%s:%s:%s:FP\n' "$magic" "$mask" "$QEMU_BIN" > /proc/sys/fs/binfmt_misc/register \
+            || die "cannot register $QEMU_BIN in binfmt_misc"
+    fi
+    grep -qx enabled "$BINFMT" || echo 1 > "$BINFMT"
+    say "binfmt: $(tr '\n' ' ' < "$BINFMT")"
+}
+
+# Puts the host's own qemu-aarch64 binfmt entry back (Debian's update-binfmts), if the host has one.
+restore_binfmt() {
+    if [ -e "$BINFMT" ] && grep -qx "interpreter $QEMU_BIN" "$BINFMT"; then
+        echo -1 > "$BINFMT" || true
+        if [ -e /usr/share/binfmts/qemu-aarch64 ] && command -v update-binfmts > /dev/null; then
+            update-binfmts --enable qemu-aarch64 > /dev/null 2>&1 || true
+        fi
+    fi
 }
 
 stage_root() {
     if [ -f "$ROOT/.lorad-root-ok" ]; then
         say "reusing $ROOT"
+        check_emulator
         return 0
     fi
     rm -rf "$ROOT.tmp"
@@ -95,6 +148,22 @@ stage_root() {
     rm -rf "$ROOT"
     mv "$ROOT.tmp" "$ROOT"
     touch "$ROOT/.lorad-root-ok"
+    check_emulator
+}
+
+# Fails unless the root's programs run under the cached qemu (another binfmt entry could match aarch64 ELF first).
+check_emulator() {
+    chroot "$ROOT" /bin/sleep 5 &
+    local pid=$! exe=""
+    for _ in $(seq 50); do
+        exe=$(readlink "/proc/$pid/exe" || true)
+        [ "$exe" = "$QEMU_BIN" ] && break
+        sleep 0.1
+    done
+    kill "$pid" 2> /dev/null || true
+    wait "$pid" 2> /dev/null || true
+    [ "$exe" = "$QEMU_BIN" ] || die "arm64 programs run under '$exe', not $QEMU_BIN"
+    say "arm64 programs run under $QEMU_BIN, QEMU_CPU=$QEMU_CPU_MODEL"
 }
 
 stage_wheel() {
@@ -188,7 +257,7 @@ STAGES=(
 main() {
     local passed=0 failed=0 times=()
     log="$(mktemp)"
-    trap 'rm -f "$log"' EXIT
+    trap 'rm -f "$log"; restore_binfmt' EXIT
     local run_start
     run_start=$(date +%s)
     for row in "${STAGES[@]}"; do
