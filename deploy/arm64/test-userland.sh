@@ -47,6 +47,10 @@ die() {
 # Runs "$@" as root inside the arm64 root, in its own mount and pid namespace: every process it starts (the daemon
 # too) dies with it, and no mount outlives it. The pip cache and the lorad wheel are bind-mounted from the cache.
 in_root() {
+    # The host stage registers the cached qemu and the run's end restores the host's entry: a stage run on its own
+    # (--stage e2e, --in-root) after that would silently get the host's qemu.
+    grep -qx "interpreter $QEMU_BIN" "$BINFMT" 2> /dev/null \
+        || die "binfmt qemu-aarch64 does not run $QEMU_BIN; run \`$0 --stage host\` first"
     unshare --mount --pid --fork --kill-child=SIGKILL -- "$0" --enter "$@"
 }
 
