@@ -273,14 +273,12 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     from lorad.server.engine.models import LoraConfig
     from lorad.server.engine.models.loader import load_model, resolve
     from lorad.server.engine.training.precision import known_plan, plan_job, plans_here
-    from lorad.server.engine.training.recipe import resolve_precision, seed_everything
+    from lorad.server.engine.training.recipe import resolve_backend, resolve_precision, seed_everything
     from lorad.server.engine.training.trainer import Trainer
 
     backend, precision, clip_mode, overlap = ALL_LORAD[system]
     if backend == "auto":
-        from lorad.kernels import detect_backend
-
-        info = detect_backend("auto")
+        info = resolve_backend("auto")  # the engine's standalone decision, as the daemon makes it at start
         backend, precision, reason = info.name, resolve_precision("auto", info.name), info.reason
     else:
         reason = "fixed"
