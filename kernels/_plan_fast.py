@@ -92,14 +92,26 @@ def time_ms(fn: Callable[[Tensor], Tensor], a: Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def local_drifts(slot: Slot, cand: Any, x: Tensor, dy: Tensor) -> tuple[tuple[float, float], tuple[float, float]]:
-    """((cos_y, rel_y), (cos_dx, rel_dx)) of ``cand`` vs the reference on the captured x and dy.
+def reference_products(slot: Slot, x: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """The reference layer's output on the captured x and input gradient on the captured dy (computed once per layer
+    and compared with every candidate: fp32 products are the slow part of local measurement)."""
+    with torch.no_grad():
+        y = slot.ref.forward(x) if x.numel() else x.new_zeros(0)
+        dx = slot.ref.input_grad(dy) if dy.numel() else dy.new_zeros(0)
+    return y, dx
+
+
+def local_drifts(
+    cand: Any, x: Tensor, dy: Tensor, ref: tuple[Tensor, Tensor]
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((cos_y, rel_y), (cos_dx, rel_dx)) of ``cand`` vs the reference products ``ref`` on the captured x and dy.
 
     The forward drift is measured on the frozen product alone (bias excluded would hide nothing: it is exact).
     """
+    nan = (float("nan"), float("nan"))
     with torch.no_grad():
-        fwd = drift(cand.forward(x), slot.ref.forward(x)) if x.numel() else (float("nan"), float("nan"))
-        bwd = drift(cand.input_grad(dy), slot.ref.input_grad(dy)) if dy.numel() else (float("nan"), float("nan"))
+        fwd = drift(cand.forward(x), ref[0]) if x.numel() else nan
+        bwd = drift(cand.input_grad(dy), ref[1]) if dy.numel() else nan
     return fwd, bwd
 
 

@@ -104,6 +104,7 @@ class EngineSession:
         from lorad.server.engine.training import DataError, prepare, run_recipe
         from lorad.server.engine.training.checkpoint import CheckpointError, list_checkpoints
         from lorad.server.engine.training.checkpoint import latest as latest_checkpoint
+        from lorad.server.engine.training.heartbeat import Heartbeat
 
         cfg = self._train_config()
         entry = self.models.entry(self.req.spec.base_model)
@@ -186,8 +187,9 @@ class EngineSession:
                     "add samples or raise eval_fraction"
                 )
             elif before is None:
-                sink.phase(Phase.EVALUATING, None)
-                before = measure_base_eval_loss(loaded, cfg, data)
+                with Heartbeat(lambda f: sink.phase(Phase.EVALUATING, f)) as beat:  # heard every ~1 s meanwhile
+                    beat.set(None)
+                    before = measure_base_eval_loss(loaded, cfg, data)
                 if before is not None:
                     sink.eval_before(before, cfg.steps)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from lorad.kernels.detect import BackendInfo
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
+from lorad.server.engine.training.heartbeat import Heartbeat
 from lorad.server.engine.training.precision import JobPlan, frozen_weights, known_plan, plan_job, plans_here
 from lorad.server.engine.training.trainer import PhaseCallback, Progress, Trainer
 
@@ -46,38 +46,6 @@ class RecipeResult:
 
 def _no_phase(phase: str, fraction: float | None) -> None:
     """The default `on_phase`: nobody listens."""
-
-
-class _Heartbeat:
-    """Reports a fraction when it moves and again every ``period_s`` from a timer thread, so a listener hears from a
-    phase whose single steps take long (one planning pass is 1-2 s on a quiet phone-class CPU and several times that
-    on a busy one)."""
-
-    def __init__(self, report: Callable[[float], None], period_s: float = 1.0) -> None:
-        self._report, self._period = report, period_s
-        self._fraction = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lorad-heartbeat", daemon=True)
-
-    def set(self, fraction: float) -> None:
-        with self._lock:
-            self._fraction = fraction
-            self._report(fraction)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            with self._lock:
-                self._report(self._fraction)
-
-    def __enter__(self) -> _Heartbeat:
-        self.set(0.0)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def seed_everything(seed: int) -> None:
@@ -192,7 +160,7 @@ def run_recipe(
                            cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
     if planning and job_plan is None:
         # Before the Trainer: its optimizer and hooks must see the re-lowered model.
-        with _Heartbeat(lambda f: phase("planning", f)) as beat:
+        with Heartbeat(lambda f: phase("planning", f)) as beat:
             job_plan = plan_job(loaded, cfg, on_progress=beat.set, **plan_args)
     if planning:
         precision = "auto"

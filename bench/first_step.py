@@ -1,0 +1,105 @@
+"""CreateJob -> first training step through a real daemon: cold (no plan cached) and warm, optionally on a busy host.
+
+A throwaway daemon (the demo's: temporary data dir, fake "plugged in" probe file) on a Unix socket; the default model
+and the default precision ("auto"). One fresh data dir per run, so the first job is cold: the model is converted
+from its GGUF once before (not timed: an install-time cost), then
+
+- job 1: the cost table and the precision plan are measured (cold),
+- job 2: a second job of the same shape on new data finds the plan cached (warm),
+
+each cancelled after its first step. Times are from the CreateJob call to the first PROGRESS event; the largest gap
+between two consecutive events while the job is not yet training is reported too (the budget: an event at least
+every 2 s). ``--busy N`` keeps N other processes spinning meanwhile, as a phone doing something else would.
+
+    .venv/bin/python bench/first_step.py [--busy 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+from lorad.client.demo.daemon import PLUGGED_IN, DemoDaemon, write_probe
+from lorad.client.demo.persona import load_samples
+from lorad.client.sync_client import Client
+from lorad.client.types import JobEventKind, JobPhase, JobState, LoraConfig, Precision, TrainingConfig
+
+APP = "bench-first-step"
+
+
+def _config(seed: int) -> TrainingConfig:
+    return TrainingConfig(lora=LoraConfig(rank=8, alpha=16.0), max_steps=20, seq_len=256, seed=seed,
+                          precision=Precision.AUTO)  # fmt: skip
+
+
+def _first_step(c: Client, dataset: str, seed: int) -> dict[str, Any]:
+    t0 = time.monotonic()
+    job = c.create_job([dataset], _config(seed))
+    times: list[float] = [t0]
+    phases: dict[str, float] = {}
+    first: float | None = None
+    try:
+        for u in c.watch(job):
+            now = time.monotonic()
+            ev = u.event
+            if ev.phase is not JobPhase.UNSPECIFIED and ev.phase.value not in phases:
+                phases[ev.phase.value] = now - t0
+            if ev.kind is JobEventKind.PROGRESS and ev.progress.step >= 1:
+                first = now - t0
+                break
+            times.append(now)
+            if u.job.state in (JobState.FAILED, JobState.CANCELLED, JobState.SUCCEEDED):
+                raise RuntimeError(f"job ended {u.job.state.value} before its first step: {u.job.error}")
+    finally:
+        c.cancel_job(job)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return {"create_to_first_step_s": first, "phase_started_s": phases, "max_event_gap_s": max(gaps, default=0.0),
+            "events_before_first_step": len(times) - 1}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--busy", type=int, default=0, help="spin N other processes during both jobs")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a = ap.parse_args()
+    out: dict[str, Any] = {"busy_processes": a.busy}
+    with DemoDaemon() as d:
+        d.start()
+        write_probe(d.probe_file, PLUGGED_IN)
+        with Client.for_owner(d.data_dir, target=str(d.socket_path)) as owner:
+            status = owner.wait_ready(120)
+            token = owner.register_app(APP, "first-step bench").token
+        out["backend"] = status.backend.backend.value
+        samples = load_samples()
+        with Client(str(d.socket_path), token, timeout=600) as c:
+            c.append_samples("warmup", samples[:8])
+            t = time.monotonic()
+            c.generate_text("Hello", max_tokens=1)  # loads (and on a fresh data dir converts) the model: not timed
+            out["model_load_s"] = time.monotonic() - t
+            c.append_samples("notes-a", samples[: len(samples) // 2])
+            c.append_samples("notes-b", samples[len(samples) // 2 :])
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+            try:
+                out["cold"] = _first_step(c, "notes-a", 1)
+                out["warm"] = _first_step(c, "notes-b", 2)  # new data, same model and adapter shape
+            finally:
+                for b in busy:
+                    b.kill()
+    for k in ("cold", "warm"):
+        r = out[k]
+        phases = ", ".join(f"{p} {s:.1f} s" for p, s in r["phase_started_s"].items())
+        gap, n = r["max_event_gap_s"], r["events_before_first_step"]
+        print(f"{k:4s}: CreateJob -> first step {r['create_to_first_step_s']:.1f} s; phases started at {phases}; "
+              f"largest gap between events {gap:.2f} s ({n} events)")  # fmt: skip
+    print(f"backend {out['backend']}, {a.busy} busy processes, model load {out['model_load_s']:.1f} s (not counted)")
+    if a.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
