@@ -77,7 +77,6 @@ def model_source(name: str | None, cache: Path) -> Path | None:
     out = cache / "bench-models" / name
     if (out / "model.safetensors").exists():
         return out
-    import shutil
 
     import torch
     from safetensors.torch import save_file
