@@ -492,14 +492,14 @@ def _init_path(a: argparse.Namespace) -> Path:
 
 
 def _cold_plan(a: argparse.Namespace, init: Path) -> dict[str, Any]:
-    """lorad-auto for 2 steps with an empty plan and cost cache (the converted model is reused): what a first job on a
-    new device waits for."""
+    """lorad-auto for a few steps with an empty plan and cost cache (the converted model is reused): what a first job
+    on a new device waits for."""
     print("# running lorad-auto with an empty plan cache (cold) ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "models").symlink_to(Path(a.cache).resolve() / "models")
         if (Path(a.cache) / "bench-models").exists():
             (Path(tmp) / "bench-models").symlink_to(Path(a.cache).resolve() / "bench-models")
-        r = _spawn("lorad-auto", a, init, cache=tmp, steps=2)
+        r = _spawn("lorad-auto", a, init, cache=tmp, steps=WARMUP_LR + 1)  # the schedule needs steps > warm-up
         # The measured run then finds this plan (and cost table) cached: its numbers are the warm path's.
         plans = Path(a.cache) / "plans"
         plans.mkdir(parents=True, exist_ok=True)
