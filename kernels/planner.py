@@ -315,10 +315,14 @@ def _plan_fast(
     # Dominant layers: replace their local measurements by global ones (whole-model dA/dB drift, one run each).
     total_w = sum(lp.shape[0] * lp.shape[1] for lp in plans.values())
     dominant = {n for n, lp in plans.items() if lp.shape[0] * lp.shape[1] >= exact_share * total_w}
+    runs = sum(len(plans[n].measurements) for n in dominant)
+    done = 0
     for n in dominant:
         lp = plans[n]
         glob = []
         for m in lp.measurements:
+            on_progress(0.5 + 0.1 * done / max(runs, 1))  # one whole fwd+bwd each: ~1 s at 135M params here
+            done += 1
             ch = {x: (reference, reference) for x in plans}
             ch[n] = (m.precision, reference) if m.direction == "fwd" else (reference, m.precision)
             g = verify_run(ch)
