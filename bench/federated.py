@@ -70,7 +70,7 @@ def main() -> int:
 
     import lorad.client as lc
     from lorad.client.federated.ledger import read_ledger
-    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.api import resolve
 
     work = Path(tempfile.mkdtemp(prefix="lorad-bench-fed-"))
     lines = (ROOT / "client" / "demo_data" / "mara.jsonl").read_text().splitlines()

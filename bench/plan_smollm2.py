@@ -39,7 +39,7 @@ def batch(tok: Any, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def hf_weights(loaded: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """HF layer name -> (W, bias) for every frozen linear of the loaded model, lm_head included (tied)."""
-    from lorad.server.engine.models.hf_folder import read_weights
+    from lorad.server.engine.api import read_weights
 
     w = read_weights(loaded.checkpoint.path)
     out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from lorad.server.engine.models import LoraConfig, load_model
+    from lorad.server.engine.api import LoraConfig, load_model
 
     t0 = time.perf_counter()
     loaded = load_model(None, cache_root=args.cache_root, backend="ort-cpu", precision="fp32", lora=LoraConfig())

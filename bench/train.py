@@ -81,7 +81,7 @@ def model_source(name: str | None, cache: Path) -> Path | None:
     import torch
     from safetensors.torch import save_file
 
-    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.api import resolve
 
     cfg = MODEL_PRESETS[name]
     d, f, v, hd = (
@@ -159,7 +159,7 @@ def _sentence(r: random.Random) -> str:
 
 def corpus(n: int, seed: int = SEED) -> list[Any]:
     """n samples: 3 in 4 are short text paragraphs, 1 in 4 a user/assistant exchange (loss on the answer only)."""
-    from lorad.server.engine.training.data import ChatSample, Message, TextSample
+    from lorad.server.engine.api import ChatSample, Message, TextSample
 
     r = random.Random(seed)
     out: list[Any] = []
@@ -183,7 +183,7 @@ def _rss_mb() -> tuple[float, float]:
 
 
 def _train_cfg(steps: int, backend: str, precision: str, clip_mode: str = "global", overlap: bool = True) -> Any:
-    from lorad.server.engine.training.config import TrainConfig
+    from lorad.server.engine.api import TrainConfig
 
     return TrainConfig(
         rank=RANK,
@@ -209,8 +209,7 @@ def _train_cfg(steps: int, backend: str, precision: str, clip_mode: str = "globa
 
 
 def _data(model_dir: Path, cfg: Any) -> Any:
-    from lorad.server.engine.models.tokenizer import ChatTokenizer
-    from lorad.server.engine.training.data import prepare
+    from lorad.server.engine.api import ChatTokenizer, prepare
 
     tok = ChatTokenizer.from_dir(model_dir)
     return prepare(corpus(600), tok, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction), tok
@@ -270,11 +269,18 @@ def _summary(
 def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     from safetensors.torch import load_file
 
-    from lorad.server.engine.models import LoraConfig
-    from lorad.server.engine.models.loader import load_model, resolve
-    from lorad.server.engine.training.precision import known_plan, plan_job, plans_here
-    from lorad.server.engine.training.recipe import resolve_backend, resolve_precision, seed_everything
-    from lorad.server.engine.training.trainer import Trainer
+    from lorad.server.engine.api import (
+        LoraConfig,
+        Trainer,
+        known_plan,
+        load_model,
+        plan_job,
+        plans_here,
+        resolve,
+        resolve_backend,
+        resolve_precision,
+        seed_everything,
+    )
 
     backend, precision, clip_mode, overlap = ALL_LORAD[system]
     if backend == "auto":
@@ -380,10 +386,7 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     import transformers as tf
     from safetensors.torch import load_file
 
-    from lorad.server.engine.models.loader import resolve
-    from lorad.server.engine.training.packing import BatchStream, eval_batches
-    from lorad.server.engine.training.recipe import seed_everything
-    from lorad.server.engine.training.schedule import lr_at
+    from lorad.server.engine.api import BatchStream, eval_batches, lr_at, resolve, seed_everything
 
     cfg = _train_cfg(a.steps, "torch", "fp32")
     seed_everything(SEED)
@@ -574,7 +577,7 @@ def main() -> None:
             a.init = str(_init_path(a))
         run_worker(a)
         return
-    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.api import resolve
 
     t0 = time.perf_counter()
     model_dir = resolve(model_source(a.model, Path(a.cache)), Path(a.cache)).path  # GGUF converted once, then cached

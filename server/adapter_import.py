@@ -124,8 +124,7 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
         FailedPrecondition: the adapter's base model hash differs from the header's or the daemon's model.
         InvalidArgument: not a PEFT adapter lorad can load.
     """
-    from lorad.server.engine.adapters import AdapterMetadata, load_adapter
-    from lorad.server.engine.models.loader import portable_base_name, resolve
+    from lorad.server.engine.api import AdapterMetadata, load_adapter, portable_base_name, resolve
 
     quota = s.apps.get(app_id).quota
     if s.adapters.count(app_id) >= quota.max_adapters:
@@ -162,7 +161,7 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
             backend="imported",
             base_model_source=portable_base_name(entry.source),
         )
-        from lorad.server.engine.adapters.metadata import METADATA_FILE
+        from lorad.server.engine.api import METADATA_FILE
 
         (peft / METADATA_FILE).write_text(json.dumps(meta.to_json(), indent=2))
         rec = AdapterRec(

@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorad.server.engine.models.atomic import atomic_write
+from lorad.server.engine.api import atomic_write
 from lorad.server.errors import PermissionDenied, Unauthenticated
 from lorad.server.store.apps import AppRepo
 

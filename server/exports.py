@@ -13,7 +13,7 @@ import structlog
 from safetensors import SafetensorError
 
 from lorad.server.disk import enforce_export_cap
-from lorad.server.engine.models.atomic import atomic_write
+from lorad.server.engine.api import atomic_write
 from lorad.server.errors import FailedPrecondition
 from lorad.server.jobs.files import Layout, remove_tree, scrub_paths
 from lorad.server.modelhost import ModelHost
@@ -55,9 +55,7 @@ def _tar_dir(src: Path, dest: Path) -> None:
 
 
 def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
-    from lorad.server.engine.adapters import export_gguf_lora, load_adapter
-    from lorad.server.engine.models.hf_folder import read_config
-    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.api import export_gguf_lora, load_adapter, read_config, resolve
 
     entry = models.entry(rec.base_model, field="adapter_id")
     ck = resolve(entry.source, models.cache_root)
@@ -66,8 +64,7 @@ def _gguf(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
 
 
 def _merged(rec: AdapterRec, models: ModelHost, dest: Path) -> None:
-    from lorad.server.engine.adapters import export_merged, load_adapter
-    from lorad.server.engine.models.loader import resolve
+    from lorad.server.engine.api import export_merged, load_adapter, resolve
 
     entry = models.entry(rec.base_model, field="adapter_id")
     ck = resolve(entry.source, models.cache_root)

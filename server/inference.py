@@ -90,7 +90,7 @@ class Generator:
     def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
         from safetensors import SafetensorError
 
-        from lorad.server.engine.adapters import load_adapter
+        from lorad.server.engine.api import load_adapter
 
         if rec.adapter_id not in self._adapters:
             try:
@@ -116,7 +116,7 @@ class Generator:
         from lorad.server.modelhost import import_engine
 
         import_engine()
-        from lorad.server.engine.models.generate import SamplingConfig, generate
+        from lorad.server.engine.api import SamplingConfig, generate
 
         for i, other in enumerate(extra):
             if rec is None or other.base_model != rec.base_model:
@@ -177,7 +177,7 @@ def compose(weights: Sequence[Any]) -> Any:
     """
     import torch
 
-    from lorad.server.engine.models.model import AdapterWeights
+    from lorad.server.engine.api import AdapterWeights
 
     mods: dict[str, tuple[list[Any], list[Any]]] = {}
     for w in weights:

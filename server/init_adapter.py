@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.api import TrainConfig
 from lorad.server.errors import InvalidArgument
 from lorad.server.services import Services
 

@@ -24,8 +24,9 @@ ENGINE_IMPORTS = threading.RLock()
 def import_engine() -> None:
     """Imports the engine's training and generation modules once, under ENGINE_IMPORTS."""
     with ENGINE_IMPORTS:
-        import lorad.server.engine.models.generate
-        import lorad.server.engine.training  # noqa: F401
+        from lorad.server.engine.api import warm_up
+
+        warm_up()
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class ModelHost:
         backend: BackendDecision,
         loader: Callable[..., Any] | None = None,
     ) -> None:
-        """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.models.load_model``'s signature
+        """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.api.load_model``'s signature
         (default: that function)."""
         self.cache_root = cache_root
         self.backend = backend
@@ -103,8 +104,7 @@ class ModelHost:
         """
         e = self.entry(name)
         if e.name not in self._facts:
-            from lorad.server.engine.models.hf_folder import read_config, read_weights
-            from lorad.server.engine.models.loader import resolve
+            from lorad.server.engine.api import read_config, read_weights, resolve
 
             try:
                 ck = resolve(e.source, self.cache_root)
@@ -121,8 +121,7 @@ class ModelHost:
         with self._lock:
             if e.name not in self._loaded:
                 import_engine()
-                from lorad.server.engine.models import load_model
-                from lorad.server.engine.training.recipe import resolve_precision
+                from lorad.server.engine.api import load_model, resolve_precision
 
                 info = self.backend.info
                 try:

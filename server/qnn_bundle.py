@@ -25,7 +25,7 @@ class StartupError(RuntimeError):
 class PreparedBundle:
     """A verified bundle and the model folder it was checked against."""
 
-    bundle: Any  # lorad.server.engine.prepare.Bundle
+    bundle: Any  # lorad.server.engine.api.Bundle
     model_dir: Path
     source: Path | None  # the ModelEntry.source the bundle belongs to (None = the packaged default)
 
@@ -36,11 +36,7 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
     Raises:
         StartupError: the bundle is for another model, SoC or runtime, is corrupt, or the model cannot be read.
     """
-    from lorad.server.engine.models.loader import resolve
-    from lorad.server.engine.prepare import BundleError, model_hash_of_folder
-    from lorad.server.engine.prepare.load import (
-        load_bundle,  # = lorad.server.engine.prepare.load_bundle (typed import path)
-    )
+    from lorad.server.engine.api import BundleError, load_bundle, model_hash_of_folder, resolve
 
     root = Path(path).expanduser()
     try:
@@ -71,8 +67,7 @@ def assemble(
     Raises:
         ValueError: a projection of the model has no entry in ``linears``.
     """
-    from lorad.server.engine.models.build import build_model
-    from lorad.server.engine.models.model import Linear
+    from lorad.server.engine.api import Linear, build_model
 
     names = set(linears)
     skeleton = {k: (v.to("meta") if k.rsplit(".", 1)[0] in names else v) for k, v in weights.items()}
@@ -100,7 +95,7 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
 
     Other models, and other backends a job asks for explicitly, load as usual.
     """
-    from lorad.server.engine.models.loader import LoadedModel, load_model, resolve
+    from lorad.server.engine.api import LoadedModel, load_model, resolve
 
     def load(
         source: str | Path | None = None,
@@ -115,9 +110,7 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
         )
         if backend != "qnn-htp" or not same:
             return load_model(source, cache_root=cache_root, backend=backend, precision=precision, lora=lora)
-        from lorad.server.engine.models.hf_folder import read_config, read_weights
-        from lorad.server.engine.models.tokenizer import ChatTokenizer
-        from lorad.server.engine.prepare.load import open_frozen_linears
+        from lorad.server.engine.api import ChatTokenizer, open_frozen_linears, read_config, read_weights
 
         ck = resolve(source, cache_root)
         cfg = read_config(ck.path)

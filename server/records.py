@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from lorad.server.engine.training.config import TrainConfig
+from lorad.server.engine.api import TrainConfig
 
 
 class JobState(enum.StrEnum):

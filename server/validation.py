@@ -9,8 +9,7 @@ import zoneinfo
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lorad.server.engine.training.config import ConfigError, TrainConfig, api_key, api_knobs, job_config
-from lorad.server.engine.training.knobs import Knob
+from lorad.server.engine.api import ConfigError, Knob, TrainConfig, api_key, api_knobs, job_config
 from lorad.server.errors import InvalidArgument
 from lorad.server.records import Requirements, SampleBody, Window
 

@@ -309,8 +309,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Runs `lorad prepare` (lorad.server.engine.prepare.prepare_main), imported only here."""
-    return _run_server_command("prepare_main", list(args.daemon_args), module="lorad.server.engine.prepare")
+    """Runs `lorad prepare` (the engine facade's prepare_main), imported only here."""
+    return _run_server_command("prepare_main", list(args.daemon_args), module="lorad.server.engine.api")
 
 
 def _run_server_command(entry: str, argv: list[str], module: str = "lorad.server") -> int:
@@ -319,6 +319,7 @@ def _run_server_command(entry: str, argv: list[str], module: str = "lorad.server
 
     try:
         server = importlib.import_module(module)
+        main = getattr(server, entry, None)  # the engine facade imports its entry point here, on first use
     except ImportError as exc:
         print(
             f"lorad: error: the daemon is not installed ({exc}). Install it with `pip install 'lorad[server]'` "
@@ -326,7 +327,6 @@ def _run_server_command(entry: str, argv: list[str], module: str = "lorad.server
             file=sys.stderr,
         )
         return EXIT_FAILURE
-    main = getattr(server, entry, None)
     if main is None:
         print(
             f"lorad: error: this {module} has no {entry} entry point (a daemon build without the server "

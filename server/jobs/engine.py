@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -16,13 +16,16 @@ from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionOutcom
 from lorad.server.modelhost import ModelHost, import_engine
 from lorad.server.records import DataSummary, Phase, Progress, SampleBody
 
+if TYPE_CHECKING:
+    from lorad.server.engine.api import DataReport, LoadedModel, PreparedData, Progress, Sample, TrainConfig
+
 log = structlog.get_logger(__name__)
 
 
-def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Any]:
-    from lorad.server.engine.training import ChatSample, Message, TextSample
+def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Sample]:
+    from lorad.server.engine.api import ChatSample, Message, TextSample
 
-    out: list[Any] = []
+    out: list[Sample] = []
     for b in bodies:
         if b.text is not None:
             out.append(TextSample(b.text))
@@ -31,7 +34,7 @@ def _training_samples(bodies: tuple[SampleBody, ...]) -> list[Any]:
     return out
 
 
-def measure_base_eval_loss(loaded: Any, cfg: Any, data: Any) -> float | None:
+def measure_base_eval_loss(loaded: LoadedModel, cfg: TrainConfig, data: PreparedData) -> float | None:
     """The held-out loss of ``loaded.model`` on ``data`` (``prepare``'s output) as the trainer measures it.
 
     Uses the trainer's own ``Trainer.evaluate`` on a throw-away Trainer over the same model; the global RNG state is
@@ -40,8 +43,7 @@ def measure_base_eval_loss(loaded: Any, cfg: Any, data: Any) -> float | None:
     Returns:
         The token-weighted mean loss, or None when the job has no held-out samples.
     """
-    from lorad.server.engine.training import Trainer
-    from lorad.server.engine.training.checkpoint import capture_rng, restore_rng
+    from lorad.server.engine.api import Trainer, capture_rng, restore_rng
 
     tok = loaded.tokenizer
     rng = capture_rng()
@@ -56,7 +58,7 @@ def measure_base_eval_loss(loaded: Any, cfg: Any, data: Any) -> float | None:
         restore_rng(rng)
 
 
-def data_summary(report: Any) -> DataSummary:
+def data_summary(report: DataReport) -> DataSummary:
     """The engine's DataReport as the typed summary jobs report (rejected counts by reason)."""
     return DataSummary(
         total_samples=int(report.total), train_samples=int(report.train_samples),
@@ -65,13 +67,13 @@ def data_summary(report: Any) -> DataSummary:
     )  # fmt: skip
 
 
-def start_from_adapter(loaded: Any, path: Path) -> None:
+def start_from_adapter(loaded: LoadedModel, path: Path) -> None:
     """Copies a stored adapter's A and B into the freshly built model (a resume then restores its checkpoint).
 
     Raises:
         JobFailure: the adapter is for another base, or its shape differs from the job's model.
     """
-    from lorad.server.engine.adapters import AdapterBaseMismatchError, apply_adapter, load_adapter
+    from lorad.server.engine.api import AdapterBaseMismatchError, apply_adapter, load_adapter
 
     try:
         apply_adapter(loaded.model, load_adapter(path), model_hash=loaded.model_hash,
@@ -87,13 +89,13 @@ class EngineSession:
 
     def __init__(self, req: SessionRequest, models: ModelHost, cache_root: Path, backend: BackendDecision,
                  loader: Callable[..., Any] | None = None) -> None:  # fmt: skip
-        """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.models.load_model``'s signature
+        """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.api.load_model``'s signature
         (None: the engine's own loader)."""
         self.req, self.models, self.cache_root = req, models, cache_root
         self.backend = backend.for_job(req.spec.params.backend)  # what this job trains on, and why
         self.loader = loader
 
-    def _train_config(self) -> Any:
+    def _train_config(self) -> TrainConfig:
         """The job's stored config on the backend it was given, keeping as many checkpoints as the daemon keeps."""
         return dataclasses.replace(self.req.spec.params, backend=self.backend.name,
                                    keep_checkpoints=self.req.keep_checkpoints)  # fmt: skip
@@ -101,10 +103,15 @@ class EngineSession:
     def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
         """Runs the recipe; reports progress, evals and checkpoints to ``sink``."""
         import_engine()
-        from lorad.server.engine.training import DataError, prepare, run_recipe
-        from lorad.server.engine.training.checkpoint import CheckpointError, list_checkpoints
-        from lorad.server.engine.training.checkpoint import latest as latest_checkpoint
-        from lorad.server.engine.training.heartbeat import Heartbeat
+        from lorad.server.engine.api import (
+            CheckpointError,
+            DataError,
+            Heartbeat,
+            latest_checkpoint,
+            list_checkpoints,
+            prepare,
+            run_recipe,
+        )
 
         cfg = self._train_config()
         entry = self.models.entry(self.req.spec.base_model)
@@ -122,7 +129,7 @@ class EngineSession:
                     reported.add(c.path)
                     sink.checkpoint(c.step, c.path, c.size_bytes, loss)
 
-        def on_progress(pr: Any) -> None:
+        def on_progress(pr: Progress) -> None:
             if pr.eval_loss is not None:
                 state["eval"] = pr.eval_loss
             eta = pr.eta_s if pr.eta_s is not None and math.isfinite(pr.eta_s) else None
@@ -135,8 +142,7 @@ class EngineSession:
             scan_checkpoints(float(pr.loss))
 
         def save(model: Any, out: Path, meta: dict[str, Any]) -> Path:
-            from lorad.server.engine.adapters import Adapter, AdapterMetadata, save_adapter
-            from lorad.server.engine.models.loader import portable_base_name
+            from lorad.server.engine.api import Adapter, AdapterMetadata, portable_base_name, save_adapter
 
             # The hub id PEFT can load (or the folder's name), never this device's path; the content hash in
             # lorad_metadata.json says exactly which weights.
@@ -168,7 +174,7 @@ class EngineSession:
                 sink.notice(f"resumed from checkpoint step {last.step}")
             sink.phase(phase, fraction)
 
-        def on_loaded(loaded: Any) -> None:
+        def on_loaded(loaded: LoadedModel) -> None:
             # run_recipe calls this before restoring any checkpoint: the fresh adapter's B is zero, so this model
             # computes exactly the base model's loss. The data is prepared here too (the recipe prepares it again,
             # deterministically: tokenizing is ~1 ms per sample) so its notice arrives before training starts.

@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import Any
 
-from lorad.server.engine.training.config import api_key, api_knobs, job_config
+from lorad.server.engine.api import api_key, api_knobs, job_config
 from lorad.server.records import (
     CheckpointRec,
     DataSummary,
