@@ -133,10 +133,8 @@ def __getattr__(name: str) -> object:
     where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with _IMPORTS:
-        value = getattr(importlib.import_module(where[0]), where[1])
-    globals()[name] = value  # later lookups skip this function
-    return value
+    with _IMPORTS:  # not cached here: a name always reads its module's current value, as a direct import did
+        return getattr(importlib.import_module(where[0]), where[1])
 
 
 def warm_up() -> None:
