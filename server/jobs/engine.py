@@ -17,7 +17,8 @@ from lorad.server.modelhost import ModelHost, import_engine
 from lorad.server.records import DataSummary, Phase, Progress, SampleBody
 
 if TYPE_CHECKING:
-    from lorad.server.engine.api import DataReport, LoadedModel, PreparedData, Progress, Sample, TrainConfig
+    from lorad.server.engine.api import DataReport, LoadedModel, PreparedData, Sample, TrainConfig
+    from lorad.server.engine.api import Progress as StepProgress  # the trainer's; records.Progress is what jobs report
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +130,7 @@ class EngineSession:
                     reported.add(c.path)
                     sink.checkpoint(c.step, c.path, c.size_bytes, loss)
 
-        def on_progress(pr: Progress) -> None:
+        def on_progress(pr: StepProgress) -> None:
             if pr.eval_loss is not None:
                 state["eval"] = pr.eval_loss
             eta = pr.eta_s if pr.eta_s is not None and math.isfinite(pr.eta_s) else None
