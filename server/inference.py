@@ -6,13 +6,16 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from lorad.server.errors import FailedPrecondition, InvalidArgument
 from lorad.server.modelhost import ModelHost
 from lorad.server.records import AdapterRec, Message
+
+if TYPE_CHECKING:
+    from lorad.server.engine.api import AdapterWeights, LoadedModel
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +82,7 @@ class Generator:
     def __init__(self, models: ModelHost) -> None:
         self.models = models
         self._lock = threading.Lock()
-        self._adapters: dict[str, Any] = {}
+        self._adapters: dict[str, tuple[str, AdapterWeights]] = {}
 
     def drop_app(self, app_id: str) -> None:
         """Forgets the app's adapter weights held in memory (ForgetApp)."""
@@ -87,7 +90,7 @@ class Generator:
             for k in [k for k, (owner, _) in self._adapters.items() if owner == app_id]:
                 del self._adapters[k]
 
-    def _adapter_weights(self, rec: AdapterRec, loaded: Any) -> Any:
+    def _adapter_weights(self, rec: AdapterRec, loaded: LoadedModel) -> AdapterWeights:
         from safetensors import SafetensorError
 
         from lorad.server.engine.api import load_adapter

@@ -6,12 +6,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from lorad.server.backend import BackendDecision
 from lorad.server.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from lorad.server.engine.api import LoadedModel
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +59,7 @@ class ModelHost:
         model_dirs: tuple[str, ...],
         cache_root: Path,
         backend: BackendDecision,
-        loader: Callable[..., Any] | None = None,
+        loader: Callable[..., LoadedModel] | None = None,
     ) -> None:
         """``backend`` is the daemon's decision; ``loader`` has ``lorad.server.engine.api.load_model``'s signature
         (default: that function)."""
@@ -75,7 +78,7 @@ class ModelHost:
                 entries.append(ModelEntry(p.name.lower(), p, False))
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[str, LoadedModel] = {}
         self._facts: dict[str, ModelFacts] = {}
         self._lock = threading.Lock()  # one load at a time; generation itself is serialised by the caller
 
@@ -92,7 +95,7 @@ class ModelHost:
             raise InvalidArgument(field, f"unknown model {name[:64]!r}; one of {', '.join(sorted(self.entries))}")
         return e
 
-    def loaded(self, name: str) -> Any | None:
+    def loaded(self, name: str) -> LoadedModel | None:
         """The loaded base for ``name`` if it is already in memory (for status), else None."""
         return self._loaded.get(self.entry(name).name)
 
@@ -115,7 +118,7 @@ class ModelHost:
                 return None
         return self._facts[e.name]
 
-    def base(self, name: str) -> Any:
+    def base(self, name: str) -> LoadedModel:
         """The base model for inference (a ``LoadedModel`` without LoRA), loading it on first use."""
         e = self.entry(name)
         with self._lock:

@@ -14,6 +14,8 @@ from lorad.server.modelhost import ModelEntry
 if TYPE_CHECKING:
     import torch
 
+    from lorad.server.engine.api import Bundle, CausalLM, LoadedModel, LoraConfig, ModelConfig
+
 log = structlog.get_logger(__name__)
 
 
@@ -25,7 +27,7 @@ class StartupError(RuntimeError):
 class PreparedBundle:
     """A verified bundle and the model folder it was checked against."""
 
-    bundle: Any  # lorad.server.engine.api.Bundle
+    bundle: Bundle
     model_dir: Path
     source: Path | None  # the ModelEntry.source the bundle belongs to (None = the packaged default)
 
@@ -53,8 +55,12 @@ def open_bundle(path: str, entry: ModelEntry, cache_root: Path) -> PreparedBundl
 
 
 def assemble(
-    cfg: Any, weights: Mapping[str, torch.Tensor], linears: Mapping[str, Any], lora: Any, embed_fp16: bool = False
-) -> Any:
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    linears: Mapping[str, Any],
+    lora: LoraConfig | None,
+    embed_fp16: bool = False,
+) -> CausalLM:
     """The CausalLM whose frozen projections are ``linears`` (layer name -> FrozenLinear), with LoRA on top.
 
     build_model lays the model out; the projection weights are given to it as meta tensors (no memory), and each
@@ -90,7 +96,7 @@ def assemble(
     return model
 
 
-def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
+def bundle_loader(pb: PreparedBundle) -> Callable[..., LoadedModel]:
     """A loader with ``load_model``'s signature that builds ``pb``'s model on qnn-htp from the bundle.
 
     Other models, and other backends a job asks for explicitly, load as usual.
@@ -103,8 +109,8 @@ def bundle_loader(pb: PreparedBundle) -> Callable[..., Any]:
         cache_root: Path,
         backend: str = "torch",
         precision: Any = "fp32",
-        lora: Any = None,
-    ) -> Any:
+        lora: LoraConfig | None = None,
+    ) -> LoadedModel:
         same = (source is None and pb.source is None) or (
             source is not None and pb.source is not None and Path(source).expanduser() == pb.source
         )

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
         portable_base_name,
         resolve,
     )
-    from lorad.server.engine.models.model import AdapterWeights, Linear
+    from lorad.server.engine.models.model import AdapterWeights, CausalLM, Linear
     from lorad.server.engine.models.tokenizer import ChatTokenizer
     from lorad.server.engine.prepare.cli import prepare_main
     from lorad.server.engine.prepare.load import Bundle, load_bundle, open_frozen_linears
@@ -104,7 +104,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "KVCache": (_E + "models.kv_cache", "KVCache"),
     **{n: (_E + "models.loader", n) for n in ("LoadedModel", "default_model_path", "load_model",
                                               "portable_base_name", "resolve")},
-    **{n: (_E + "models.model", n) for n in ("AdapterWeights", "Linear")},
+    **{n: (_E + "models.model", n) for n in ("AdapterWeights", "CausalLM", "Linear")},
     "ChatTokenizer": (_E + "models.tokenizer", "ChatTokenizer"),
     "prepare_main": (_E + "prepare.cli", "prepare_main"),
     **{n: (_E + "prepare.load", n) for n in ("Bundle", "load_bundle", "open_frozen_linears")},
@@ -154,6 +154,7 @@ __all__ = [
     "BatchStream",
     "Bundle",
     "BundleError",
+    "CausalLM",
     "ChatSample",
     "ChatTokenizer",
     "CheckpointError",
