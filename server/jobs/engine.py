@@ -106,10 +106,10 @@ class EngineSession:
         import_engine()
         from lorad.server.engine.api import (
             CheckpointError,
+            CheckpointInfo,
             DataError,
             Heartbeat,
             latest_checkpoint,
-            list_checkpoints,
             prepare,
             run_recipe,
         )
@@ -119,16 +119,10 @@ class EngineSession:
         info = self.backend
         sink.backend(info.name, info.reason)
         ckpt_dir = self.req.work_dir / "checkpoints"
-        reported = {c.path for c in list_checkpoints(ckpt_dir)} if ckpt_dir.is_dir() else set()
         state: dict[str, Any] = {"eval": None, "meta": None}
 
-        def scan_checkpoints(loss: float) -> None:
-            if not ckpt_dir.is_dir():
-                return
-            for c in list_checkpoints(ckpt_dir):
-                if c.path not in reported:
-                    reported.add(c.path)
-                    sink.checkpoint(c.step, c.path, c.size_bytes, loss)
+        def on_checkpoint(c: CheckpointInfo, loss: float) -> None:
+            sink.checkpoint(c.step, c.path, c.size_bytes, loss)
 
         def on_progress(pr: StepProgress) -> None:
             if pr.eval_loss is not None:
@@ -140,7 +134,6 @@ class EngineSession:
                          learning_rate=float(pr.lr), tokens_seen=pr.step * cfg.tokens_per_step),
                 evaluated=pr.eval_loss is not None,
             )  # fmt: skip
-            scan_checkpoints(float(pr.loss))
 
         def save(model: Any, out: Path, meta: dict[str, Any]) -> Path:
             from lorad.server.engine.api import Adapter, AdapterMetadata, portable_base_name, save_adapter
@@ -204,7 +197,7 @@ class EngineSession:
             res = run_recipe(
                 cfg, samples, work_dir=self.req.work_dir, cache_root=self.cache_root, model_source=entry.source,
                 on_progress=on_progress, should_pause=should_stop, load=self.loader, save_adapter=save,
-                on_phase=on_phase, on_loaded=on_loaded, backend=info,
+                on_phase=on_phase, on_loaded=on_loaded, on_checkpoint=on_checkpoint, backend=info,
             )  # fmt: skip
         except DataError as exc:
             raise JobFailure("no_usable_samples", str(exc)) from None
@@ -218,7 +211,6 @@ class EngineSession:
             if exc.errno == 28:  # ENOSPC
                 raise JobFailure("out_of_disk", "no space left for checkpoints or the adapter") from None
             raise
-        scan_checkpoints(res.losses[-1] if res.losses else 0.0)
         rep = res.data_report
         if res.status != "completed" or res.adapter_dir is None:
             return SessionOutcome(completed=False)

@@ -18,7 +18,7 @@ from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
 from lorad.server.engine.training.heartbeat import Heartbeat
 from lorad.server.engine.training.precision import JobPlan, frozen_weights, known_plan, plan_job, plans_here
-from lorad.server.engine.training.trainer import PhaseCallback, Progress, Trainer
+from lorad.server.engine.training.trainer import CheckpointCallback, PhaseCallback, Progress, Trainer
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +100,7 @@ def run_recipe(
     save_adapter: Callable[[Any, Path, dict[str, Any]], Path] = save_adapter_files,
     on_phase: PhaseCallback | None = None,
     on_loaded: Callable[[Any], None] | None = None,
+    on_checkpoint: CheckpointCallback | None = None,
     backend: BackendInfo | None = None,
 ) -> RecipeResult:
     """Trains a LoRA adapter on `samples`, resuming from the newest checkpoint in `work_dir` if there is one.
@@ -116,6 +117,7 @@ def run_recipe(
         save_adapter: writes the finished adapter; returns its directory.
         on_phase: told when the run enters a phase (see `PhaseCallback`); called on the training thread (planning's
             heartbeat also from a timer thread, one call at a time).
+        on_checkpoint: told about each checkpoint written (see `CheckpointCallback`), so nobody polls the folder.
         on_loaded: called with the LoadedModel once it is built at its final precisions, before any checkpoint is
             restored (its adapter is the fresh one: B = 0, so it computes the base model's loss).
         backend: the backend decided by the caller (the daemon), used as given; None resolves ``cfg.backend`` here.
@@ -182,6 +184,7 @@ def run_recipe(
         on_progress=on_progress,
         should_pause=should_pause,
         on_phase=phase,
+        on_checkpoint=on_checkpoint,
     )
     if last is not None:
         trainer.restore(last.path)

@@ -71,6 +71,11 @@ each ``on_progress`` call means a training step finished (phase "training" again
 that "planning" is also repeated about once a second from a heartbeat thread (never concurrently with another call)."""
 
 
+CheckpointCallback = Callable[["ckpt.CheckpointInfo", float], None]
+"""``on_checkpoint(info, train_loss)``: a checkpoint was written (reported after that step's progress; ``train_loss``
+is the last step's loss). Pruned older checkpoints are not reported again; the listener forgets them itself."""
+
+
 @dataclass(frozen=True)
 class Progress:
     """One progress report, sent after every optimizer step."""
@@ -126,12 +131,16 @@ class Trainer:
         on_progress: Callable[[Progress], None] | None = None,
         should_pause: Callable[[], bool] | None = None,
         on_phase: PhaseCallback | None = None,
+        on_checkpoint: CheckpointCallback | None = None,
     ) -> None:
         """Wires the model, data stream and optimizer; nothing runs until `run()`."""
         self.model, self.cfg, self.data = model, cfg, data
         self.ckpt_dir = checkpoint_dir
         self.on_progress = on_progress
         self.on_phase = on_phase
+        self.on_checkpoint = on_checkpoint
+        self._unreported: list[Path] = []
+        self._reported: set[Path] = set()  # the final save can rewrite the step a periodic one just wrote
         self.should_pause = should_pause or (lambda: False)
         self.stream = BatchStream(
             data.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, pad_id=pad_id
@@ -177,7 +186,19 @@ class Trainer:
             raise ValueError("Trainer was created without checkpoint_dir")
         path = ckpt.save(self.ckpt_dir, self.state(), keep=self.cfg.keep_checkpoints)
         self.history.checkpoint = path
+        self._unreported.append(path)
         return path
+
+    def _report_checkpoints(self) -> None:
+        """Tells ``on_checkpoint`` about checkpoints written since the last report (after the step's progress)."""
+        paths, self._unreported = self._unreported, []
+        if self.on_checkpoint is None:
+            return
+        loss = self.history.losses[-1] if self.history.losses else 0.0
+        for p in paths:
+            if p.exists() and p not in self._reported:  # not pruned by a newer one, not told already
+                self._reported.add(p)
+                self.on_checkpoint(ckpt.CheckpointInfo(self.step, p, p.stat().st_size), loss)
 
     def restore(self, path: Path) -> None:
         """Continues from a checkpoint: adapter, optimizer, step, data cursor, RNG and history.
@@ -270,6 +291,7 @@ class Trainer:
                 res.status, res.step = "paused", self.step
                 if self.ckpt_dir is not None:
                     self.save_checkpoint()
+                    self._report_checkpoints()
                 log.info("training_paused", step=self.step)
                 return res
             t0 = time.perf_counter()
@@ -305,9 +327,11 @@ class Trainer:
                         ev,
                     )
                 )
+            self._report_checkpoints()
         res.status, res.step = "completed", self.step
         if self.ckpt_dir is not None:
             self.save_checkpoint()
+            self._report_checkpoints()
         return res
 
     def close(self) -> None:

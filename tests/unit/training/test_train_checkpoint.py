@@ -4,7 +4,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +60,9 @@ def test_crash_between_write_and_rename_keeps_previous(tmp_path: Path, monkeypat
 def test_kill_mid_write_leaves_only_hidden_temp(tmp_path: Path) -> None:
     code = f"""
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from tests.fixtures.tiny_lm import make_trainer
 from lorad.server.engine.training.config import TrainConfig
 t = make_trainer(TrainConfig(steps=6, seq_len=32, eval_fraction=0.0), Path({str(tmp_path)!r}))
@@ -140,3 +144,29 @@ def test_exact_resume_in_new_process(tmp_path: Path) -> None:
     a = torch.load(str(tmp_path / "straight") + ".pt")
     b = torch.load(str(tmp_path / "resumed") + ".pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_each_checkpoint_is_reported_once_after_its_steps_progress(tmp_path: Path) -> None:
+    events: list[tuple[str, int]] = []
+    cfg = TrainConfig(steps=6, seq_len=32, eval_fraction=0.0, checkpoint_every=2, keep_checkpoints=1)
+    t = make_trainer(
+        cfg,
+        tmp_path,
+        on_progress=lambda p: events.append(("progress", p.step)),
+        on_checkpoint=lambda c, loss: events.append(("checkpoint", c.step)) or _check(c, loss),
+    )
+    t.run()
+    # Steps 2, 4 and 6 write one each (the final save rewrites step 6's file: told once); each follows its progress.
+    ck = [(k, s) for k, s in events if k == "checkpoint"]
+    assert ck == [("checkpoint", 2), ("checkpoint", 4), ("checkpoint", 6)]
+    for _, s in ck:
+        assert events.index(("progress", s)) < events.index(("checkpoint", s))
+    # A pause writes and reports its own checkpoint.
+    paused: list[int] = []
+    t2 = make_trainer(replace(cfg, checkpoint_every=0), tmp_path / "p", should_pause=lambda: bool(t2.step == 3),
+                      on_checkpoint=lambda c, _loss: paused.append(c.step))  # fmt: skip
+    assert t2.run().status == "paused" and paused == [3]
+
+
+def _check(c: Any, loss: float) -> None:
+    assert c.path.is_file() and c.size_bytes == c.path.stat().st_size and loss > 0
