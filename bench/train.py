@@ -507,8 +507,7 @@ def _cold_plan(a: argparse.Namespace, init: Path) -> dict[str, Any]:
         plans = Path(a.cache) / "plans"
         plans.mkdir(parents=True, exist_ok=True)
         for f in (Path(tmp) / "plans").glob("*.json"):
-            if not (plans / f.name).exists():
-                shutil.copy(f, plans / f.name)
+            shutil.copy(f, plans / f.name)  # replaces a plan an older run cached under the same key
     if "error" in r:
         return {"plan_cold_error": r["error"]}
     return {"plan_cold_s": r.get("plan_s"), "time_to_first_step_cold_s": r.get("time_to_first_step_s"),
