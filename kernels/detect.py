@@ -142,7 +142,7 @@ def detect_backend(override: str | None = None) -> BackendInfo:
     elif bf16.native:
         # Measured on a 2-core Zen 5 (bench/kernels.py): all SmolLM2 frozen products fwd+bwd at 256 tokens take
         # ~210 ms in torch bf16 (oneDNN) vs ~420 ms on the ORT CPU EP in fp32, and ORT has no bf16 GEMM on x86.
-        npu = "no NPU" if not qnn_ok else "QNN HTP only as the x86 simulator"
+        npu = f"no NPU (QNN HTP EP {avail['qnn-htp']})" if not qnn_ok else "QNN HTP only as the x86 simulator"
         why = f"{npu}; {bf16.reason}: torch bf16 (oneDNN) is the fastest engine for the frozen products"
         info = BackendInfo("torch", prefix + why, soc, arch, avail)
     elif cpu_ok:
