@@ -9,7 +9,8 @@ from its GGUF once before (not timed: an install-time cost), then
 
 each cancelled after its first step. Times are from the CreateJob call to the first PROGRESS event; the largest gap
 between two consecutive events while the job is not yet training is reported too (the budget: an event at least
-every 2 s). ``--busy N`` keeps N other processes spinning meanwhile, as a phone doing something else would.
+every 2 s). ``--busy N`` then repeats both jobs on a fresh daemon while N other processes spin, as a phone doing
+something else would, and prints busy / quiet for each (the quiet run is its baseline, measured in the same run).
 
     .venv/bin/python bench/first_step.py [--busy 2] [--json]
 """
@@ -62,12 +63,9 @@ def _first_step(c: Client, dataset: str, seed: int) -> dict[str, Any]:
             "events_before_first_step": len(times) - 1}  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--busy", type=int, default=0, help="spin N other processes during both jobs")
-    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    a = ap.parse_args()
-    out: dict[str, Any] = {"busy_processes": a.busy}
+def _run(busy: int) -> dict[str, Any]:
+    """A fresh daemon and data dir: the cold job, then the warm one, with ``busy`` processes spinning during both."""
+    out: dict[str, Any] = {"busy_processes": busy}
     with DemoDaemon() as d:
         d.start()
         write_probe(d.probe_file, PLUGGED_IN)
@@ -83,20 +81,42 @@ def main() -> None:
             out["model_load_s"] = time.monotonic() - t
             c.append_samples("notes-a", samples[: len(samples) // 2])
             c.append_samples("notes-b", samples[len(samples) // 2 :])
-            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
             try:
                 out["cold"] = _first_step(c, "notes-a", 1)
                 out["warm"] = _first_step(c, "notes-b", 2)  # new data, same model and adapter shape
             finally:
-                for b in busy:
+                for b in spinners:
                     b.kill()
+    return out
+
+
+def _report(label: str, out: dict[str, Any]) -> None:
     for k in ("cold", "warm"):
         r = out[k]
         phases = ", ".join(f"{p} {s:.1f} s" for p, s in r["phase_started_s"].items())
         gap, n = r["max_event_gap_s"], r["events_before_first_step"]
-        print(f"{k:4s}: CreateJob -> first step {r['create_to_first_step_s']:.1f} s; phases started at {phases}; "
-              f"largest gap between events {gap:.2f} s ({n} events)")  # fmt: skip
-    print(f"backend {out['backend']}, {a.busy} busy processes, model load {out['model_load_s']:.1f} s (not counted)")
+        print(f"{label} {k:4s}: CreateJob -> first step {r['create_to_first_step_s']:.1f} s; phases started at "
+              f"{phases}; largest gap between events {gap:.2f} s ({n} events)")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--busy", type=int, default=0, help="also run both jobs again with N processes spinning")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    a = ap.parse_args()
+    quiet = _run(0)
+    _report("quiet", quiet)
+    out: dict[str, Any] = {"backend": quiet["backend"], "model_load_s": quiet["model_load_s"], "quiet": quiet}
+    if a.busy:
+        busy = _run(a.busy)  # its baseline, the quiet run, ran just before on this machine
+        _report(f"busy ({a.busy})", busy)
+        out["busy"] = busy
+        for k in ("cold", "warm"):
+            ratio = busy[k]["create_to_first_step_s"] / quiet[k]["create_to_first_step_s"]
+            out[f"busy_over_quiet_{k}"] = ratio
+            print(f"{k}: busy / quiet = {ratio:.2f}x")
+    print(f"backend {out['backend']}, model load {out['model_load_s']:.1f} s (not counted)")
     if a.json:
         print(json.dumps(out))
 

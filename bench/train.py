@@ -13,8 +13,10 @@ PEFT fp32 and PEFT bf16.
     .venv/bin/python bench/train.py --steps 200 --systems lorad-auto,peft-fp32                     # convergence
 
 lorad-auto is run twice: first with an empty plan cache (planning cold: `plan_cold_s`, `time_to_first_step_cold_s`),
-then as measured with the plan cached (`time_to_first_step_s`, warm). ``--busy N`` keeps N other processes spinning
-during both, as a phone doing something else would.
+then as measured with the plan cached (`time_to_first_step_s`, warm). ``--busy N`` adds the same two first-step
+runs (short, not in the table) while N other processes spin, as a phone doing something else would
+(`busy_plan_cold_s`, `busy_time_to_first_step_cold_s`, `busy_time_to_first_step_s`); the measured runs stay quiet
+so every row's baselines run under the same conditions.
 """
 
 from __future__ import annotations
@@ -326,7 +328,7 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     rss_load, peak_load = _rss_mb()
     data, tok = _data(loaded.checkpoint.path, cfg)
     trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id or 0)
-    plan_info["model"] = str(loaded.checkpoint.path.name if source is not None else "SmolLM2-135M-Instruct")
+    plan_info["model"] = loaded.checkpoint.path.name if source is not None else "SmolLM2-135M-Instruct"
     prof = None
     if a.profile:
         from pyinstrument import Profiler
@@ -494,24 +496,43 @@ def _init_path(a: argparse.Namespace) -> Path:
     return Path(a.cache) / f"bench-init-adapter-{Path(a.model).name if a.model else 'smollm2'}.safetensors"
 
 
-def _cold_plan(a: argparse.Namespace, init: Path) -> dict[str, Any]:
+def _first_steps(a: argparse.Namespace, init: Path) -> dict[str, Any]:
+    """The cold plan run (see ``_cold_plan``), and with ``--busy N`` the cold and a warm first step again while N
+    processes spin."""
+    out = _cold_plan(a, init, "")
+    if a.busy:
+        busy = _spin(a.busy)
+        try:
+            out |= _cold_plan(a, init, "busy_")
+            warm = _spawn("lorad-auto", a, init, steps=WARMUP_LR + 1)
+            out["busy_time_to_first_step_s"] = warm.get("time_to_first_step_s")
+        finally:
+            for b in busy:
+                b.kill()
+        out["busy_processes"] = a.busy
+    return out
+
+
+def _cold_plan(a: argparse.Namespace, init: Path, prefix: str) -> dict[str, Any]:
     """lorad-auto for a few steps with an empty plan and cost cache (the converted model is reused): what a first job
     on a new device waits for."""
-    print("# running lorad-auto with an empty plan cache (cold) ...", file=sys.stderr, flush=True)
+    print(f"# running lorad-auto with an empty plan cache (cold{', busy' if prefix else ''}) ...", file=sys.stderr,
+          flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "models").symlink_to(Path(a.cache).resolve() / "models")
         if (Path(a.cache) / "bench-models").exists():
             (Path(tmp) / "bench-models").symlink_to(Path(a.cache).resolve() / "bench-models")
         r = _spawn("lorad-auto", a, init, cache=tmp, steps=WARMUP_LR + 1)  # the schedule needs steps > warm-up
-        # The measured run then finds this plan (and cost table) cached: its numbers are the warm path's.
-        plans = Path(a.cache) / "plans"
-        plans.mkdir(parents=True, exist_ok=True)
-        for f in (Path(tmp) / "plans").glob("*.json"):
-            shutil.copy(f, plans / f.name)  # replaces a plan an older run cached under the same key
+        if not prefix:  # the measured run then finds this (quiet) plan and cost table cached: the warm path
+            plans = Path(a.cache) / "plans"
+            plans.mkdir(parents=True, exist_ok=True)
+            for f in (Path(tmp) / "plans").glob("*.json"):
+                shutil.copy(f, plans / f.name)  # replaces a plan an older run cached under the same key
     if "error" in r:
-        return {"plan_cold_error": r["error"]}
-    return {"plan_cold_s": r.get("plan_s"), "time_to_first_step_cold_s": r.get("time_to_first_step_s"),
-            "plan_progress_max_gap_s": r.get("plan_progress_max_gap_s"), "busy_processes": a.busy}  # fmt: skip
+        return {f"{prefix}plan_cold_error": r["error"]}
+    keys = {"plan_cold_s": "plan_s", "time_to_first_step_cold_s": "time_to_first_step_s",
+            "plan_progress_max_gap_s": "plan_progress_max_gap_s"}  # fmt: skip
+    return {prefix + k: r.get(src) for k, src in keys.items()}
 
 
 def _spin(n: int) -> list[subprocess.Popen]:
@@ -567,7 +588,7 @@ def main() -> None:
     ap.add_argument(
         "--model", default=None, help=f"an HF folder or a preset ({', '.join(MODEL_PRESETS)}); default SmolLM2"
     )
-    ap.add_argument("--busy", type=int, default=0, help="spin N other processes during lorad-auto's cold and warm runs")
+    ap.add_argument("--busy", type=int, default=0, help="also time lorad-auto's first steps with N processes spinning")
     a = ap.parse_args()
     a.steps = a.steps or (8 if a.quick else 30)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
@@ -592,16 +613,9 @@ def main() -> None:
         systems = [s for s in a.systems.split(",") if s]
     rows = []
     for s in systems:
-        cold: dict[str, Any] = {}
-        busy = _spin(a.busy if s == "lorad-auto" else 0)
-        try:
-            if s == "lorad-auto":
-                cold = _cold_plan(a, init)
-            print(f"# running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
-            rows.append(_spawn(s, a, init) | cold)
-        finally:
-            for b in busy:
-                b.kill()
+        first = _first_steps(a, init) if s == "lorad-auto" else {}
+        print(f"# running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
+        rows.append(_spawn(s, a, init) | first)
         r = rows[-1]
         msg = r.get("error") or f"{r['tokens_per_s']:.1f} tok/s, peak {r['peak_rss_mb']:.0f} MiB, {r['wall_s']:.0f}s"
         print(f"#   {s}: {msg}", file=sys.stderr, flush=True)
