@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import structlog
 import torch
 from torch import Tensor
+
+from lorad.kernels.plan import LayerPlan, Measurement
 
 log = structlog.get_logger(__name__)
 
@@ -141,3 +143,49 @@ def apply_choice(slots: Mapping[str, Slot], impls: Mapping[tuple[str, str], Any]
         pf, pb = choice[n]
         s.fwd_impl = impls.get((n, pf), s.ref)
         s.bwd_impl = impls.get((n, pb), s.ref)
+
+
+def measure_globally(
+    lp: LayerPlan,
+    names: Iterable[str],
+    *,
+    reference: str,
+    one_copy: bool,
+    run: Callable[[Mapping[str, tuple[str, str]]], dict[str, float]],
+    tick: Callable[[], None],
+) -> None:
+    """Replace a dominant layer's local measurements by whole-model dA/dB drifts (every other layer at the reference).
+
+    Per direction: one run per (candidate, direction) with only that direction lowered. A one-copy plan only ever runs
+    both directions of a layer at one precision, so there each candidate gets ONE run with both lowered, the very
+    configuration the plan would train with (SmolLM2's lm_head: 2 whole fwd+bwd of ~2 s instead of 4); its fwd and
+    bwd entries both hold that run's drift, marked ``joint`` (``Measurement.joint_share`` splits its square).
+
+    Args:
+        lp: the dominant layer's plan, with its local measurements (replaced in place).
+        names: every planned layer.
+        reference: the reference precision.
+        one_copy: measure both directions together (one run per candidate).
+        run: one whole-model fwd+bwd with layer -> (fwd, bwd) precisions; returns ``whole_drift``'s dict.
+        tick: called before each run (progress).
+    """
+    nan = float("nan")
+    base = {x: (reference, reference) for x in names}
+    out: list[Measurement] = []
+    if one_copy:
+        for p in dict.fromkeys(m.precision for m in lp.measurements):
+            mf, mb = lp.measured("fwd", p), lp.measured("bwd", p)
+            tick()
+            g = run({**base, lp.name: (p, p)})
+            for m in (mf, mb):
+                if m is not None:
+                    out.append(Measurement(m.direction, p, g["cos_da"], g["cos_db"], m.cos_dx, g["rel_da"], g["rel_db"],
+                                           nan, m.time_ms, m.cos_y, m.rel_y, local=False, joint=True))  # fmt: skip
+    else:
+        for m in lp.measurements:
+            tick()
+            pair = (m.precision, reference) if m.direction == "fwd" else (reference, m.precision)
+            g = run({**base, lp.name: pair})
+            out.append(Measurement(m.direction, m.precision, g["cos_da"], g["cos_db"], m.cos_dx, g["rel_da"],
+                                   g["rel_db"], nan, m.time_ms, m.cos_y, m.rel_y, local=False))  # fmt: skip
+    lp.measurements = out

@@ -12,7 +12,8 @@ from lorad.kernels._quant import BYTES_PER_WEIGHT
 
 PLAN_VERSION = 2  # 2: fast (local) mode fields; version-1 plans still load
 # Bumped whenever a change in how plans are measured or chosen would choose differently (part of cache keys).
-PLANNER_VERSION = "3.2"  # 3.2: training attention in bf16 when the layer runs below fp32.
+PLANNER_VERSION = "3.3"  # 3.3: one-copy plans measure a dominant layer once per candidate, both directions low.
+# 3.2: training attention in bf16 when the layer runs below fp32.
 # 3.1: one weight copy per layer (both directions at one precision); torch int8 w8a8.
 # 3.0: measured per-shape cost model, bf16, fixed calibration text + seeded adapter
 # Weight storage format per precision: two precisions with one format share one stored copy.
@@ -28,7 +29,9 @@ FAST_NOTE = (
     "fast mode: cells are LOCAL drifts from one reference fwd+bwd with each layer's input x and output gradient "
     "dy captured: fwd = rel error of the layer's frozen output on its captured x, bwd = rel error of its input "
     "gradient dX on its captured dy (a layer's own dA/dB depend on x and dy only, so these are its whole local "
-    "effect; how they propagate is not measured per layer). The budget is enforced on the whole plan's measured "
+    "effect; how they propagate is not measured per layer). A layer holding a large share of the weights is "
+    "measured globally instead (rel error of all dA/dB after a whole-model run; in one-copy plans one run per "
+    "precision with both directions lowered, shown in both rows). The budget is enforced on the whole plan's measured "
     "dA/dB drift ('whole plan' line), backing off the worst layers when it is exceeded."
 )
 
@@ -44,6 +47,8 @@ class Measurement:
 
     Exact mode (``local=False``): cos/rel of all adapters' dA and dB and of the layer's dX after a full fwd+bwd.
     Fast mode (``local=True``): cos/rel of the layer's output y (fwd) or input gradient dX (bwd) on captured inputs.
+    Fast mode, one-copy plan, dominant layer (``joint=True``): the fwd and the bwd entry both hold the dA/dB drift of
+    ONE whole-model run with both directions of the layer at ``precision`` (see ``joint_share``).
     """
 
     direction: str  # "fwd" | "bwd"
@@ -58,6 +63,18 @@ class Measurement:
     cos_y: float = float("nan")
     rel_y: float = float("nan")
     local: bool = False
+    joint: bool = False
+
+    @property
+    def joint_share(self) -> float:
+        """The share of the squared error this entry carries when errors are summed as Σe² over directions.
+
+        A joint entry's drift E was measured once for both directions together; its fwd and bwd entries carry E²/2
+        each, so the layer at ``precision`` (both entries, as a one-copy plan always takes them) adds exactly the
+        measured E² and never twice. ``error`` stays E: the per-entry ``max_layer_error`` check compares the whole
+        measured drift, at least either direction's own, so it is no looser than two per-direction runs were.
+        """
+        return 0.5 if self.joint else 1.0
 
     @property
     def error(self) -> float:

@@ -134,7 +134,8 @@ def plan_precision(
         mode: "fast" or "exact".
         max_backoff: fast mode: verify/back-off rounds before falling back to the reference.
         exact_share: fast mode: a layer holding at least this share of the planned weights is measured globally
-            (one fwd+bwd per candidate and direction, as in exact mode): on SmolLM2 the lm_head's local drift
+            (one fwd+bwd per candidate and direction, as in exact mode; with ``one_copy`` one per candidate with
+            both directions lowered, see ``_plan_fast.measure_globally``): on SmolLM2 the lm_head's local drift
             (2.4% of logits, 8.7% of dX) hides a 54-57% drift of all dA/dB, as softmax amplifies logit errors.
         costs: the per-shape cost table (required for ``cost="measured"``, see ``lorad.kernels.costs.measure``).
         on_progress: called with the fraction of planning done (0..1) after each pass (fast mode).
@@ -312,35 +313,33 @@ def _plan_fast(
         da, db, _ = _grads_run(model, loss_fn, None)
         return fast.whole_drift(da, db, ref_a, ref_b)
 
-    # Dominant layers: replace their local measurements by global ones (whole-model dA/dB drift, one run each).
+    # Dominant layers: replace their local measurements by global ones (whole-model dA/dB drift).
     total_w = sum(lp.shape[0] * lp.shape[1] for lp in plans.values())
     dominant = {n for n, lp in plans.items() if lp.shape[0] * lp.shape[1] >= exact_share * total_w}
-    runs = sum(len(plans[n].measurements) for n in dominant)
-    done = 0
+    per_run = 2 if one_copy else 1  # one-copy: one run per candidate measures both directions
+    runs = sum(len(plans[n].measurements) for n in dominant) // per_run
+    done = [0]
+
+    def tick() -> None:
+        on_progress(0.5 + 0.1 * done[0] / max(runs, 1))  # one whole fwd+bwd each: ~2 s at 135M params here
+        done[0] += 1
+
     for n in dominant:
-        lp = plans[n]
-        glob = []
-        for m in lp.measurements:
-            on_progress(0.5 + 0.1 * done / max(runs, 1))  # one whole fwd+bwd each: ~1 s at 135M params here
-            done += 1
-            ch = {x: (reference, reference) for x in plans}
-            ch[n] = (m.precision, reference) if m.direction == "fwd" else (reference, m.precision)
-            g = verify_run(ch)
-            glob.append(Measurement(m.direction, m.precision, g["cos_da"], g["cos_db"], m.cos_dx, g["rel_da"],
-                                    g["rel_db"], float("nan"), m.time_ms, m.cos_y, m.rel_y, local=False))  # fmt: skip
-        lp.measurements = glob
+        fast.measure_globally(plans[n], plans, reference=reference, one_copy=one_copy, run=verify_run, tick=tick)
     k_box = [1.0]
 
     def sq(m: Measurement) -> float:
-        # Global errors are already whole-plan drift: in Σe² units they count as (e/k)².
+        # Global errors are already whole-plan drift: in Σe² units they count as (e/k)². A joint (one-copy, both
+        # directions in one run) drift E is carried half by its fwd and half by its bwd entry: _choose, _more_accurate
+        # and the back-off sum a layer's two entries, which then add up to the one measured E².
         e = m.error if m.local else m.error / max(k_box[0], 1e-12)
-        return e * e
+        return e * e * m.joint_share
 
     # Calibrate k: every locally measured (layer, direction) at its cheapest admissible candidate, in one run.
     cheapest: dict[str, tuple[str, str]] = {}
     sum_all = 0.0
     for n, lp in plans.items():
-        if n in dominant:
+        if n in dominant:  # measured as whole-plan drift already: k calibrates the local Σe² only
             cheapest[n] = (reference, reference)
             continue
         pick = []
@@ -477,16 +476,16 @@ def _choose(
     """
     options: dict[str, list[tuple[float, float, str, str]]] = {}  # name -> [(cost, error, fwd, bwd)]
     for n, lp in plans.items():
-        fwd = [(reference, 0.0, ref_time.get(f"{n}|fwd", 0.0))]
-        bwd = [(reference, 0.0, ref_time.get(f"{n}|bwd", 0.0))]
+        fwd = [(reference, 0.0, ref_time.get(f"{n}|fwd", 0.0), False)]
+        bwd = [(reference, 0.0, ref_time.get(f"{n}|bwd", 0.0), False)]
         for m in lp.measurements:
             if m.error <= max_layer_error and not math.isnan(m.error):
-                (fwd if m.direction == "fwd" else bwd).append((m.precision, err(m), m.time_ms))
+                (fwd if m.direction == "fwd" else bwd).append((m.precision, err(m), m.time_ms, m.joint))
         opts = []
-        for pf, ef, tf in fwd:
-            for pb, eb, tb in bwd:
-                if one_copy and not shares_copy(pf, pb):
-                    continue
+        for pf, ef, tf, jf in fwd:
+            for pb, eb, tb, jb in bwd:
+                if (one_copy and not shares_copy(pf, pb)) or ((jf or jb) and pf != pb):
+                    continue  # a joint drift was measured with both directions at one precision: only that pair
                 c = float(weight_bytes(lp.shape, pf, pb)) if cost == "bytes" else tf + tb
                 opts.append((c, ef + eb, pf, pb))
         options[n] = opts
