@@ -12,7 +12,8 @@ from lorad.kernels.frozen import FrozenLinear
 from lorad.kernels.queue import NpuQueue, queue_for
 
 
-def _flat(t: Tensor, features: int) -> Tensor:
+def rows_fp32(t: Tensor, features: int) -> Tensor:
+    """``t`` as a contiguous float32 [rows, features] matrix (a view when it already is one): what backends take."""
     t2 = t.reshape(-1, features)
     if t2.dtype != torch.float32:
         t2 = t2.float()
@@ -27,7 +28,7 @@ class FrozenMatmul(torch.autograd.Function):
         ctx.frozen = frozen
         ctx.queue = queue or queue_for(frozen)
         ctx.in_shape = x.shape
-        x2 = _flat(x, frozen.in_features)
+        x2 = rows_fp32(x, frozen.in_features)
         y: Tensor = ctx.queue.submit(frozen.forward, x2).result()
         return y.reshape(*x.shape[:-1], frozen.out_features)
 
@@ -35,7 +36,7 @@ class FrozenMatmul(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        dy2 = _flat(dy, ctx.frozen.out_features)
+        dy2 = rows_fp32(dy, ctx.frozen.out_features)
         dx = ctx.queue.submit(ctx.frozen.input_grad, dy2).result()
         return dx.reshape(ctx.in_shape), None, None
 
@@ -55,7 +56,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
         dropout: float,
         training: bool,
     ) -> Tensor:
-        x2 = _flat(x, frozen.in_features)
+        x2 = rows_fp32(x, frozen.in_features)
         fut = queue.submit(frozen.forward, x2)
         # CPU side while the frozen product runs: s·(drop(x)·Aᵀ)·Bᵀ.
         mask = None
@@ -78,7 +79,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         xd, h, lora_a, lora_b, mask = ctx.saved_tensors
         s = ctx.scaling
-        dy2 = _flat(dy, ctx.frozen.out_features)
+        dy2 = rows_fp32(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]
         fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x else None
         g = (lora_b.t() @ dy2.t()).t()  # [T, r], thin-product layout as in forward

@@ -1,0 +1,105 @@
+"""Grouped LoRA nodes (q/k/v as one node; gate/up/down with SwiGLU as one node) against separate LoRALinear layers."""
+
+from __future__ import annotations
+
+import torch
+
+from lorad.kernels import LoRALinear, make_frozen_linear
+from lorad.kernels.lora_group import groupable, shared_input_lora
+from lorad.server.engine.models.layers import swiglu
+from lorad.server.engine.models.mlp import fusable, lora_swiglu
+
+
+def _layers(shapes: list[tuple[int, int]], *, precision: str = "fp32", seed: int = 0) -> list[LoRALinear]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for o, i in shapes:
+        m = LoRALinear(make_frozen_linear(torch.randn(o, i, generator=g) / i**0.5, None, backend="torch",
+                                          precision=precision), rank=4, alpha=8.0)  # fmt: skip
+        with torch.no_grad():
+            m.lora_B.normal_(generator=g)  # nonzero B so dA and the LoRA part of dX are exercised
+        out.append(m)
+    return out
+
+
+def _grads(layers: list[LoRALinear], x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad] + [p.grad for m in layers for p in (m.lora_A, m.lora_B)]  # type: ignore[list-item]
+
+
+def _zero(layers: list[LoRALinear], x: torch.Tensor) -> None:
+    x.grad = None
+    for m in layers:
+        m.lora_A.grad = m.lora_B.grad = None
+
+
+def test_shared_input_matches_separate_layers() -> None:
+    layers = _layers([(12, 16), (4, 16), (4, 16)])
+    assert groupable(layers)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    dys = [torch.randn(2, 5, m.out_features, generator=g) for m in layers]
+    ys = shared_input_lora(layers, x)
+    sum((y * d).sum() for y, d in zip(ys, dys, strict=True)).backward()
+    got = [y.detach() for y in ys], _grads(layers, x)
+    _zero(layers, x)
+    ys_ref = [m(x) for m in layers]
+    sum((y * d).sum() for y, d in zip(ys_ref, dys, strict=True)).backward()
+    for y, y_ref in zip(got[0], ys_ref, strict=True):
+        assert y.shape == y_ref.shape
+        torch.testing.assert_close(y, y_ref.detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1], _grads(layers, x), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_swiglu_mlp_matches_separate_layers_in_fp32() -> None:
+    gate, up, down = _layers([(24, 16), (24, 16), (16, 24)])
+    assert fusable(gate, up, down)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 7, 16, generator=g, requires_grad=True)
+    dy = torch.randn(1, 7, 16, generator=g)
+    layers = [gate, up, down]
+    y = lora_swiglu(gate, up, down, x)
+    (y * dy).sum().backward()
+    got = y.detach(), _grads(layers, x)
+    _zero(layers, x)
+    y_ref = down(swiglu(gate(x), up(x)))
+    (y_ref * dy).sum().backward()
+    torch.testing.assert_close(got[0], y_ref.detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1], _grads(layers, x), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_mlp_keeps_gate_and_up_in_bf16_with_a_small_gradient_error() -> None:
+    """Below fp32 the node saves gate/up in bf16: the forward is unchanged, the gradients move by bf16 rounding."""
+    gate, up, down = _layers([(64, 32), (64, 32), (32, 64)], precision="bf16", seed=3)
+    layers = [gate, up, down]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 33, 32, generator=g, requires_grad=True)
+    dy = torch.randn(1, 33, 32, generator=g)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = lora_swiglu(gate, up, down, x)
+    assert [t.dtype for t in saved if t.shape == (33, 64)] == [torch.bfloat16, torch.bfloat16]
+    (y * dy).sum().backward()
+    got = y.detach(), _grads(layers, x)
+    _zero(layers, x)
+    y_ref = down(swiglu(gate(x), up(x)))
+    (y_ref * dy).sum().backward()
+    torch.testing.assert_close(got[0], y_ref.detach(), rtol=1e-6, atol=1e-6)  # the forward is the same math
+    for a, b in zip(got[1], _grads(layers, x), strict=True):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 1e-2, rel
+
+
+def test_not_groupable_with_dropout_hooks_or_rank_zero() -> None:
+    a, b = _layers([(8, 16), (8, 16)])
+    assert groupable([a, b])
+    b.dropout = 0.1
+    assert not groupable([a, b])  # each layer draws its own mask
+    b.eval()
+    assert groupable([a, b])  # dropout is off outside training
+    h = a.register_forward_pre_hook(lambda *_: None)
+    assert not groupable([a, b])  # a hooked layer must run as a module call
+    h.remove()
+    zero = LoRALinear(make_frozen_linear(torch.randn(8, 16), None, backend="torch"), rank=0, alpha=1.0)
+    assert not groupable([a, zero])
