@@ -34,9 +34,11 @@ class _CausalAttention(torch.autograd.Function):
         qg, kb, vb = _grouped(q, kv), k.to(_BF16).contiguous(), v.to(_BF16).contiguous()
         scale = 1.0 / math.sqrt(d)
         # The scale goes on the [gT, D] operand, not the [gT, T] scores (one pass less over the big matrix).
-        s = torch.matmul(qg * scale, kb.transpose(-1, -2)).float().view(b, kv, h // kv, t, t)
+        s = torch.matmul(qg * scale, kb.transpose(-1, -2)).view(b, kv, h // kv, t, t)
         s.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1), float("-inf"))
-        p = torch.softmax(s, dim=-1).to(_BF16).view(b, kv, (h // kv) * t, t)
+        # Softmax of the bf16 scores computes in fp32 inside and rounds its output once, the same numbers as
+        # widening first, without two [H, T, T] fp32 passes (1.1-1.2 vs 1.4-1.5 ms per layer, 1 thread, Zen 5).
+        p = torch.softmax(s, dim=-1).view(b, kv, (h // kv) * t, t)
         out = torch.matmul(p, vb).float().view(b, h, t, d)
         ctx.save_for_backward(qg, kb, vb, p, out)
         ctx.scale = scale

@@ -56,3 +56,11 @@ def test_the_model_trains_with_it_only_below_fp32(monkeypatch: pytest.MonkeyPatc
         m(ids, ids)  # eval: exact attention
     want = MCFG.num_layers if precision == "bf16" and cpu_bf16().native else 0
     assert len(calls) == want
+
+
+def test_bf16_softmax_equals_widening_first() -> None:
+    """attention.py relies on it: softmax of bf16 scores computes in fp32 and rounds once (masked entries too)."""
+    g = torch.Generator().manual_seed(3)
+    s = (torch.randn(2, 3, 64, 64, generator=g) * 4).to(torch.bfloat16)
+    s.masked_fill_(torch.ones(64, 64, dtype=torch.bool).triu_(1), float("-inf"))
+    assert torch.equal(torch.softmax(s, dim=-1), torch.softmax(s.float(), dim=-1).to(torch.bfloat16))
