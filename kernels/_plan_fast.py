@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 from torch import Tensor
 
 from lorad.kernels.plan import LayerPlan, Measurement
+
+if TYPE_CHECKING:
+    from lorad.kernels.costs import CostTable
 
 log = structlog.get_logger(__name__)
 
@@ -61,9 +64,15 @@ class Slot:
 
     def captured(self) -> tuple[Tensor, Tensor]:
         """All recorded x rows [N, in] and dy rows [M, out] (empty when the layer was not reached)."""
-        x = torch.cat(self.xs) if self.xs else torch.zeros(0, self.in_features)
-        dy = torch.cat(self.dys) if self.dys else torch.zeros(0, self.out_features)
+        x = _joined(self.xs, self.in_features)
+        dy = _joined(self.dys, self.out_features)
         return x, dy
+
+
+def _joined(rows: list[Tensor], width: int) -> Tensor:
+    if len(rows) == 1:
+        return rows[0]  # already a private copy: a cat would copy it again
+    return torch.cat(rows) if rows else torch.zeros(0, width)
 
 
 def drift(got: Tensor, ref: Tensor) -> tuple[float, float]:
@@ -115,6 +124,64 @@ def local_drifts(
         fwd = drift(cand.forward(x), ref[0]) if x.numel() else nan
         bwd = drift(cand.input_grad(dy), ref[1]) if dy.numel() else nan
     return fwd, bwd
+
+
+def measure_locally(
+    name: str,
+    slot: Slot,
+    *,
+    reference: str,
+    candidates: Sequence[str],
+    build: Callable[[str, str, str], Any],
+    cost: str,
+    costs: CostTable | None,
+    ref_time: dict[str, float],
+    impls: dict[tuple[str, str], Any],
+    drifts: bool = True,
+) -> LayerPlan:
+    """One layer's plan with a local fwd and bwd Measurement per candidate (on the rows ``slot`` recorded).
+
+    A candidate the measured cost table does not price below the reference is skipped. Each candidate is built once
+    (into ``impls``, for the whole-model runs) and ``ref_time`` gets the layer's reference ms (cost "time" and
+    "measured"). ``drifts=False`` (a dominant layer, measured globally afterwards) leaves the drifts NaN: on
+    SmolLM2's lm_head its products are six 256x576x49152 GEMMs (~0.7 s) whose result no decision reads.
+    """
+    x, dy = slot.captured()
+    shape = (slot.out_features, slot.in_features)
+    lp = LayerPlan(name, shape, reference, reference)
+    ref_products: tuple[Tensor, Tensor] | None = None
+    if cost == "time":
+        ref_time[f"{name}|fwd"] = time_ms(slot.ref.forward, x) if x.numel() else 0.0
+        ref_time[f"{name}|bwd"] = time_ms(slot.ref.input_grad, dy) if dy.numel() else 0.0
+    elif cost == "measured" and costs is not None:
+        ref_time[f"{name}|fwd"] = costs.get(shape, reference, "fwd")
+        ref_time[f"{name}|bwd"] = costs.get(shape, reference, "bwd")
+    nan = float("nan")
+    for p in candidates:
+        if p == reference:
+            continue
+        if cost == "measured" and costs is not None:
+            ref_ms = ref_time[f"{name}|fwd"] + ref_time[f"{name}|bwd"]
+            if costs.get(shape, p, "fwd") + costs.get(shape, p, "bwd") >= ref_ms:
+                continue  # never assumed faster than it measures
+        try:
+            cand = build(name, p, p)  # one object serves both directions' measurements
+        except ValueError:
+            continue  # backend lacks this precision
+        impls[(name, p)] = cand
+        (cy, ry), (cx, rx) = (nan, nan), (nan, nan)
+        if drifts:
+            if ref_products is None:
+                ref_products = reference_products(slot, x, dy)
+            (cy, ry), (cx, rx) = local_drifts(cand, x, dy, ref_products)
+        tf = time_ms(cand.forward, x) if cost == "time" and x.numel() else nan
+        tb = time_ms(cand.input_grad, dy) if cost == "time" and dy.numel() else nan
+        if cost == "measured" and costs is not None:
+            tf, tb = costs.get(shape, p, "fwd"), costs.get(shape, p, "bwd")
+        lp.measurements.append(Measurement("fwd", p, nan, nan, nan, nan, nan, nan, tf, cy, ry, local=True))
+        lp.measurements.append(Measurement("bwd", p, nan, nan, cx, nan, nan, rx, tb, local=True))
+    slot.xs, slot.dys = [], []
+    return lp
 
 
 def raise_worst(lowered: Sequence[tuple[float, str, str]], sum_sq: float, target_sq: float) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Fast planner, dominant layers: whole-model measurements; one-copy plans measure both directions in one run."""
+"""Which whole-model runs the fast planner makes: dominant layers (one per candidate in one-copy plans), verify."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lorad.kernels.plan import shares_copy
 from lorad.server.engine.models import LoraConfig, build_model
 from lorad.server.engine.training.precision import _seeded_adapter, calibration_loss
 from tests.fixtures.tiny_lm import CharTokenizer
-from tests.unit.kernels.test_planner import _setup
+from tests.unit.kernels.test_planner import _chain_setup, _setup
 from tests.unit.training.test_train_recipe import MCFG, _weights
 
 
@@ -31,19 +31,30 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("one_copy", [True, False])
-def test_dominant_layer_runs_once_per_candidate_in_one_copy_plans(runs: list[Any], one_copy: bool) -> None:
+def test_dominant_layer_runs_once_per_candidate_in_one_copy_plans(
+    runs: list[Any], one_copy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, loss_fn, weights = _setup()  # hard: 60% of the weights, easy: 40% (lossless in int8)
+    local: list[tuple[int, int]] = []
+    real_products = planner.fast.reference_products
+
+    def spy(slot: Any, *a: Any) -> Any:
+        local.append((slot.out_features, slot.in_features))
+        return real_products(slot, *a)
+
+    monkeypatch.setattr(planner.fast, "reference_products", spy)
     plan = plan_precision(model, loss_fn, weights, candidates=("w8a16", "w8a8"), budget=0.05, exact_share=0.5,
                           one_copy=one_copy)  # fmt: skip
     assert plan.calibration["global_layers"] == 1.0
-    # Global runs come first (every other layer at the reference), then the calibration, then one per verify round.
+    assert local == [(24, 16)]  # easy only: nothing reads a dominant layer's local drift: its products are not computed
+    # Global runs come first (every other layer at the reference), then the calibration, then the verify rounds.
     glob = [c["hard"] for c in runs if c["easy"] == ("fp32", "fp32") and c["hard"] != ("fp32", "fp32")]
     if one_copy:
         assert glob == [("w8a16", "w8a16"), ("w8a8", "w8a8")]
     else:
         assert glob == [("w8a16", "fp32"), ("fp32", "w8a16"), ("w8a8", "fp32"), ("fp32", "w8a8")]
     assert runs[: len(glob)] == [{"easy": ("fp32", "fp32"), "hard": h} for h in glob]
-    assert len(runs) == len(glob) + 1 + len(plan.history), plan.table()
+    assert len(runs) == len(glob) + 1 + plan.calibration["verify_runs"], plan.table()
     hard = plan.layers["hard"]
     assert len(hard.measurements) == 4 and not any(m.local for m in hard.measurements)
     for p in ("w8a16", "w8a8"):
@@ -113,3 +124,31 @@ def test_one_copy_plan_of_the_tiny_llama_stays_within_budget(runs: list[Any]) ->
     apply_plan(model, plan, weights, backend="torch")
     got = planner.fast.whole_drift(*_grads(model, loss_fn), ref_a, ref_b)
     assert got["error"] <= budget and got["error"] == pytest.approx(plan.verified["error"], abs=1e-4), plan.table()
+
+
+def test_a_plan_equal_to_the_calibration_plan_is_verified_by_that_run(runs: list[Any]) -> None:
+    """easy goes to int8 in both the calibration and the chosen plan, hard stays fp32 in both: one run measures it,
+    and its drift is the plan's, as a fresh run of the re-lowered model confirms."""
+    model, loss_fn, weights = _setup()
+    ref_a, ref_b = _grads(model, loss_fn)
+    # w8a16 is lossless on easy's grid; on hard its forward error (> max_layer_error) rules it out for both
+    # directions of its one copy, in the calibration as in the plan.
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a16",), budget=0.05, exact_share=1, one_copy=True)
+    assert plan.precisions("easy") == ("w8a16", "w8a16") and plan.precisions("hard") == ("fp32", "fp32")
+    assert runs == [{"easy": ("w8a16", "w8a16"), "hard": ("fp32", "fp32")}]  # the calibration run, nothing after
+    assert plan.calibration["verify_runs"] == 0.0 and plan.verified["error"] == plan.calibration["cheapest_error"]
+    apply_plan(model, plan, weights, backend="torch")
+    assert planner.fast.whole_drift(*_grads(model, loss_fn), ref_a, ref_b) == plan.verified
+
+
+def test_a_plan_other_than_the_calibration_plan_gets_its_own_run(runs: list[Any]) -> None:
+    model, loss_fn, weights = _chain_setup()
+    # Below what lowering every layer measures: the plan lowers only some, so the calibration run did not measure it.
+    all_low = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=1.0, max_layer_error=1.0)
+    runs.clear()
+    budget = all_low.calibration["cheapest_error"] / 2
+    plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=budget, max_layer_error=1.0)
+    calibration, verified = runs[0], runs[1:]
+    assert all(c == ("w8a8", "w8a8") for c in calibration.values())
+    assert len(verified) == plan.calibration["verify_runs"] == len(plan.history) >= 1, plan.table()
+    assert verified[0] != calibration and plan.verified["error"] <= budget
