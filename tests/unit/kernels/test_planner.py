@@ -238,3 +238,18 @@ def test_one_copy_plans_both_directions_from_one_stored_weight() -> None:
     assert one.precisions("easy") == ("w8a8", "w8a8"), one.table()  # it still lowers where one copy serves both
     assert all(shares_copy(*one.precisions(n)) for n in weights)
     assert one.weight_bytes() < free.weight_bytes()
+
+
+def test_drift_matches_float64_cosine_and_relative_error() -> None:
+    from lorad.kernels._plan_fast import drift
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2_000_000, generator=g)
+    got = ref + 1e-2 * torch.randn(2_000_000, generator=g)
+    r64, g64 = ref.double(), got.double()
+    cos, rel = drift(got, ref)
+    assert cos == pytest.approx(float(g64 @ r64 / (g64.norm() * r64.norm())), abs=1e-7)
+    assert rel == pytest.approx(float((g64 - r64).norm() / r64.norm()), rel=1e-5)
+    assert drift(-ref, ref) == pytest.approx((-1.0, 2.0))
+    assert drift(torch.zeros(3), torch.ones(3)) == (0.0, 1.0)
+    assert all(math.isnan(v) for v in drift(torch.ones(3), torch.zeros(3)) + drift(torch.zeros(0), torch.zeros(0)))
