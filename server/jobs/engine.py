@@ -109,6 +109,7 @@ class EngineSession:
             CheckpointInfo,
             DataError,
             Heartbeat,
+            checkpoint_dir,
             latest_checkpoint,
             prepare,
             run_recipe,
@@ -118,7 +119,7 @@ class EngineSession:
         entry = self.models.entry(self.req.spec.base_model)
         info = self.backend
         sink.backend(info.name, info.reason)
-        ckpt_dir = self.req.work_dir / "checkpoints"
+        ckpt_dir = checkpoint_dir(self.req.work_dir)
         state: dict[str, Any] = {"eval": None, "meta": None}
 
         def on_checkpoint(c: CheckpointInfo, loss: float) -> None:

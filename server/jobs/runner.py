@@ -83,9 +83,13 @@ class Runner:
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Recovers jobs that were on the NPU when the daemon stopped, then starts the worker."""
+        from lorad.server.engine.api import checkpoint_dir, latest_checkpoint
+
         for job in self.jobs.in_states(ON_NPU):
-            ck = self.jobs.checkpoints(job.job_id)
-            where = f"from checkpoint step {ck[-1].step}" if ck else "from the start (no checkpoint)"
+            # What the job will resume from is the newest complete checkpoint file, which a kill can leave one step
+            # ahead of the store's records (written, not yet recorded): say that one, as the engine will.
+            ck = latest_checkpoint(checkpoint_dir(self.layout.job_dir(job.app_id, job.job_id)))
+            where = f"from checkpoint step {ck.step}" if ck else "from the start (no checkpoint)"
             if job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER:
                 # The user's pause stands: the job waits for ResumeJob, then continues from its last checkpoint.
                 self._move(
@@ -101,7 +105,7 @@ class Runner:
             log.info(
                 "job_recovered",
                 job_id=job.job_id,
-                checkpoint_step=ck[-1].step if ck else None,
+                checkpoint_step=ck.step if ck else None,
                 paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER,
             )
         self._thread.start()

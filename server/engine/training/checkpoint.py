@@ -123,6 +123,11 @@ def list_checkpoints(directory: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
+def checkpoint_dir(work_dir: Path) -> Path:
+    """Where a job's checkpoints live inside its work folder (the recipe writes there, a restarted daemon looks)."""
+    return work_dir / "checkpoints"
+
+
 def latest(directory: Path) -> CheckpointInfo | None:
     """The newest complete checkpoint, if any."""
     found = list_checkpoints(directory)

@@ -136,7 +136,7 @@ def run_recipe(
     precision = resolve_precision(cfg.precision, info.name)
     seed_everything(cfg.seed)
     lora = LoraConfig(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=cfg.targets)
-    ckpt_dir = work_dir / "checkpoints"
+    ckpt_dir = ckpt.checkpoint_dir(work_dir)
     ckpt.remove_stale_temps(ckpt_dir)
     last = ckpt.latest(ckpt_dir)
     planning = plans_here(info.name, cfg.precision)

@@ -134,3 +134,24 @@ def test_a_user_pause_in_progress_survives_a_graceful_stop(world: World) -> None
     assert r.close(10)
     got = world.jobs.get(job.job_id)
     assert (got.state, got.blocked) == (JobState.PAUSED, Blocked.PAUSED_BY_USER)
+
+
+def test_restart_names_the_checkpoint_file_the_job_resumes_from(world: World) -> None:
+    """A kill between writing checkpoint 6 and recording it: the store knows step 3, the folder holds 6, and the
+    engine resumes from 6; the restart message says 6 too."""
+    from lorad.server.engine.api import checkpoint_dir
+    from lorad.server.records import CheckpointRec
+
+    job = world.job()
+    world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
+    ckdir = checkpoint_dir(Layout(world.tmp).job_dir("app", job.job_id))
+    ckdir.mkdir(parents=True)
+    for step in (3, 6):
+        (ckdir / f"step-{step:08d}.pt").write_bytes(b"x")
+    (ckdir / ".tmp-step-00000009.pt").write_bytes(b"half")  # an interrupted write is not a checkpoint
+    rec = CheckpointRec("ckpt-3", job.job_id, 3, 0, 1, 1.0, str(ckdir / "step-00000003.pt"))
+    world.jobs.record(job.job_id, EventKind.CHECKPOINT, checkpoint=rec, message="checkpoint at step 3")
+    r = world.runner()
+    r.start()
+    assert "daemon restarted; resumes from checkpoint step 6" in world.messages(job.job_id)
+    assert r.close(10)
