@@ -23,8 +23,10 @@ class Slot:
     """A FrozenLinear stand-in installed at every site of one layer during planning.
 
     ``forward`` runs ``fwd_impl`` and ``input_grad`` runs ``bwd_impl`` (so a plan with different forward and
-    backward precisions needs no new sessions), and while ``recording`` it keeps copies of every input it sees:
-    the layer's input x (forward) and its output gradient dy (input_grad).
+    backward precisions needs no new sessions), and while ``recording`` (the reference run, both impls the
+    reference) it keeps copies of every input it sees and of what the reference made of it: the layer's input x and
+    output y (forward), its output gradient dy and input gradient dX (input_grad). Copies, because the LoRA ops add
+    their terms into y and dX in place.
     """
 
     def __init__(self, ref: Any) -> None:
@@ -36,7 +38,9 @@ class Slot:
         self.recording = False
         self.record_fwd = True  # off during backward: a recomputing loss must not record x twice
         self.xs: list[Tensor] = []
+        self.ys: list[Tensor] = []
         self.dys: list[Tensor] = []
+        self.dxs: list[Tensor] = []
 
     @property
     def precision_fwd(self) -> str:
@@ -51,15 +55,20 @@ class Slot:
         return int(self.ref.nbytes)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.recording and self.record_fwd:
+        record = self.recording and self.record_fwd
+        if record:
             self.xs.append(x.detach().clone())
         out: Tensor = self.fwd_impl.forward(x)
+        if record:
+            self.ys.append(out.detach().clone())
         return out
 
     def input_grad(self, dy: Tensor) -> Tensor:
         if self.recording:
             self.dys.append(dy.detach().clone())
         out: Tensor = self.bwd_impl.input_grad(dy)
+        if self.recording:
+            self.dxs.append(out.detach().clone())
         return out
 
     def captured(self) -> tuple[Tensor, Tensor]:
@@ -108,8 +117,11 @@ def time_ms(fn: Callable[[Tensor], Tensor], a: Tensor) -> float:
 
 
 def reference_products(slot: Slot, x: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-    """The reference layer's output on the captured x and input gradient on the captured dy (computed once per layer
-    and compared with every candidate: fp32 products are the slow part of local measurement)."""
+    """The reference layer's output on the captured x and input gradient on the captured dy, compared with every
+    candidate: the very products of the reference run, recorded with x and dy (computing them again was ~0.9 s of
+    fp32 GEMMs on SmolLM2); computed here only for rows recorded without them."""
+    if len(slot.ys) == len(slot.xs) and len(slot.dxs) == len(slot.dys):
+        return _joined(slot.ys, slot.out_features), _joined(slot.dxs, slot.in_features)
     with torch.no_grad():
         y = slot.ref.forward(x) if x.numel() else x.new_zeros(0)
         dx = slot.ref.input_grad(dy) if dy.numel() else dy.new_zeros(0)
@@ -184,7 +196,7 @@ def measure_locally(
             tf, tb = costs.get(shape, p, "fwd"), costs.get(shape, p, "bwd")
         lp.measurements.append(Measurement("fwd", p, nan, nan, nan, nan, nan, nan, tf, cy, ry, local=True))
         lp.measurements.append(Measurement("bwd", p, nan, nan, cx, nan, nan, rx, tb, local=True))
-    slot.xs, slot.dys = [], []
+    slot.xs, slot.ys, slot.dys, slot.dxs = [], [], [], []
     return lp
 
 

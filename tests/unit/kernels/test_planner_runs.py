@@ -152,3 +152,28 @@ def test_a_plan_other_than_the_calibration_plan_gets_its_own_run(runs: list[Any]
     assert all(c == ("w8a8", "w8a8") for c in calibration.values())
     assert len(verified) == plan.calibration["verify_runs"] == len(plan.history) >= 1, plan.table()
     assert verified[0] != calibration and plan.verified["error"] <= budget
+
+
+def test_local_measurements_reuse_the_reference_runs_products() -> None:
+    from types import SimpleNamespace
+
+    from lorad.kernels import make_frozen_linear
+    from lorad.kernels._plan_fast import Slot, reference_products
+
+    g = torch.Generator().manual_seed(0)
+    fl = make_frozen_linear(torch.randn(24, 16, generator=g), torch.randn(24, generator=g), backend="torch")
+    slot = Slot(fl)
+    slot.recording = True
+    xs, dys = [torch.randn(8, 16, generator=g) for _ in range(2)], [torch.randn(8, 24, generator=g) for _ in range(2)]
+    for x, dy in zip(xs, dys, strict=True):  # two calls, as a layer run twice per step
+        slot.forward(x).add_(1.0)  # the LoRA ops add their terms in place: the recorded copies must not move
+        slot.input_grad(dy).add_(1.0)
+    x, dy = slot.captured()
+
+    def no_recompute(_t: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("reference product computed again")
+
+    slot.ref = SimpleNamespace(forward=no_recompute, input_grad=no_recompute)
+    y, dx = reference_products(slot, x, dy)
+    torch.testing.assert_close(y, fl.forward(torch.cat(xs)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx, fl.input_grad(torch.cat(dys)), rtol=1e-6, atol=1e-6)
