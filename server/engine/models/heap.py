@@ -1,4 +1,4 @@
-"""Give freed heap memory back to the OS after the big transient allocations of loading and planning."""
+"""Heap policy: keep freed memory for reuse while training; give it back to the OS after loading, planning, jobs."""
 
 from __future__ import annotations
 
@@ -7,16 +7,40 @@ import ctypes.util
 import functools
 from collections.abc import Callable
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest accepted mmap threshold on 64-bit
+
 
 @functools.cache
-def _trim() -> Callable[[int], int] | None:
+def _glibc(symbol: str) -> Callable[..., int] | None:
+    if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):  # bionic, musl: their mallopt numbers differ
+        return None
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        fn: Callable[[int], int] = libc.malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc (e.g. Android's bionic, musl): nothing to call
+        fn: Callable[..., int] = getattr(ctypes.CDLL(name), symbol)
+    except (OSError, AttributeError, TypeError):
         return None
     return fn
+
+
+def _trim() -> Callable[[int], int] | None:
+    return _glibc("malloc_trim")
+
+
+def keep_freed_heap() -> bool:
+    """Makes glibc keep freed memory for reuse instead of returning it to the OS at once; True when it applied.
+
+    A training step allocates and frees the same few hundred MB of activations every step. By default glibc unmaps
+    buffers above its (adaptive) mmap threshold on free and trims the top of the heap past twice that, so the next
+    step takes fresh zeroed pages from the kernel, cold in cache, for the same tensors: a SmolLM2 step ran 7-15 %
+    faster with the heap kept (three interleaved pairs of 10-step runs, 2 threads, Zen 5; 5-7 instead of 6-11
+    thousand page faults per step). Buffers up to 32 MB now come from the heap and the heap is never trimmed by
+    itself; ``release_free_heap`` (called after a job) still gives the freed memory back. Process-wide and lasting.
+    """
+    fn = _glibc("mallopt")
+    if fn is None:
+        return False
+    return bool(fn(_M_TRIM_THRESHOLD, 1 << 30)) and bool(fn(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
 
 
 def release_free_heap() -> bool:

@@ -13,6 +13,7 @@ import structlog
 import torch
 from torch import nn
 
+from lorad.server.engine.models.heap import keep_freed_heap, release_free_heap
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import PreparedData
@@ -160,6 +161,7 @@ class Trainer:
         )
         self.step = 0
         self.last_stats = StepStats(0.0, 0, 0.0, 0.0)
+        keep_freed_heap()  # every step frees and reallocates the same activations: reuse them warm (heap.py)
         self.history = TrainResult(status="running", step=0)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -335,5 +337,6 @@ class Trainer:
         return res
 
     def close(self) -> None:
-        """Releases the optimizer thread and hooks."""
+        """Releases the optimizer thread and hooks, and gives the step buffers' freed memory back to the OS."""
         self.optim.close()
+        release_free_heap()
