@@ -566,6 +566,28 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """One row per system: its median-speed round's row, with the ratios replaced by the median of the per-round
+    ratios (each against the baselines of the same round) and every round's values listed; the cold-plan keys come
+    from round 1."""
+    out = []
+    for i, first in enumerate(rounds[0]):
+        runs = [rs[i] for rs in rounds if "error" not in rs[i]]
+        if not runs:
+            out.append(first)
+            continue
+        mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+        row = {k: v for k, v in first.items() if "cold" in k or k.startswith(("busy_", "plan_progress"))} | dict(mid)
+        for key in ("x_peft_fp32", "x_peft_bf16", "rss_x_peft_fp32", "eval_dev_pct"):
+            vals = [r[key] for r in runs if key in r]
+            if vals:
+                row[key] = statistics.median(vals)
+                row[f"rounds_{key}"] = [round(v, 3) for v in vals]
+        row["rounds_tokens_per_s"] = [round(r["tokens_per_s"], 1) for r in runs]
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 steps per system instead of 30")
@@ -589,6 +611,12 @@ def main() -> None:
         "--model", default=None, help=f"an HF folder or a preset ({', '.join(MODEL_PRESETS)}); default SmolLM2"
     )
     ap.add_argument("--busy", type=int, default=0, help="also time lorad-auto's first steps with N processes spinning")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system R times in alternating order; ratios per round (neighbouring runs), then their median",
+    )
     a = ap.parse_args()
     a.steps = a.steps or (8 if a.quick else 30)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
@@ -611,21 +639,36 @@ def main() -> None:
     ]
     if a.systems:
         systems = [s for s in a.systems.split(",") if s]
-    rows = []
-    for s in systems:
-        first = _first_steps(a, init) if s == "lorad-auto" else {}
-        print(f"# running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
-        rows.append(_spawn(s, a, init) | first)
-        r = rows[-1]
-        msg = r.get("error") or f"{r['tokens_per_s']:.1f} tok/s, peak {r['peak_rss_mb']:.0f} MiB, {r['wall_s']:.0f}s"
-        print(f"#   {s}: {msg}", file=sys.stderr, flush=True)
-    table = _table(rows)
+    rounds: list[list[dict]] = []
+    for k in range(max(a.rounds, 1)):
+        # The host's speed drifts over minutes (this 2-core VM: ±25 %); alternating the order puts every system
+        # next to its baselines early and late, and each round's ratios compare neighbouring runs.
+        got: dict[str, dict] = {}
+        for s in systems if k % 2 == 0 else systems[::-1]:
+            first = _first_steps(a, init) if s == "lorad-auto" and k == 0 else {}
+            print(f"# round {k + 1}: running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
+            r = got[s] = _spawn(s, a, init) | first
+            msg = r.get("error") or "{:.1f} tok/s, peak {:.0f} MiB, {:.0f}s".format(
+                r["tokens_per_s"], r["peak_rss_mb"], r["wall_s"]
+            )
+            print(f"#   {s}: {msg}", file=sys.stderr, flush=True)
+        rounds.append([got[s] for s in systems])
+    tables = [_table(rs) for rs in rounds]
+    rows = rounds[0] if len(rounds) == 1 else _median_rows(rounds)
     print(
         f"{a.model or 'SmolLM2-135M-Instruct'}, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on all 7 "
         "projections, "
-        f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, total {time.perf_counter() - t0:.0f}s"
+        f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, {len(rounds)} round(s), "
+        f"total {time.perf_counter() - t0:.0f}s"
     )
-    print(table)
+    for k, table in enumerate(tables):
+        print(f"round {k + 1}" if len(tables) > 1 else "", table, sep="\n" if len(tables) > 1 else "")
+    if len(rounds) > 1:
+        print(f"median over {len(rounds)} rounds (ratios: median of each round's own ratio)")
+        for r in rows:
+            if "error" not in r:
+                x32, x16 = f"×fp32 {r['x_peft_fp32']:5.2f} {r['rounds_x_peft_fp32']}", f"×bf16 {r['x_peft_bf16']:5.2f}"
+                print(f"{r['system']:30} {r['tokens_per_s']:7.1f} tok/s  {x32}  {x16} {r['rounds_x_peft_bf16']}")
     if a.json:
         slim = [
             {k: v for k, v in r.items() if k not in ("losses", "step_s")} | {"losses": r.get("losses")} for r in rows
