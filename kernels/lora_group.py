@@ -3,10 +3,9 @@
 Per layer, ``y_i = frozen_i(x) + s·(x·A_iᵀ)·B_iᵀ`` exactly as ``LoRALinear``; what changes is the bookkeeping. Three
 separate layers cost, per step and block, three ``[r, in]·[in, T]`` products where one ``[Σr, in]·[in, T]`` does, the
 same for ``dA`` and the LoRA part of ``dX``, and autograd sums three ``dX`` tensors of the shared input. With the
-MLP node (server/engine/models/mlp.py) a SmolLM2 step makes 1,070 instead of 1,427 GEMM calls (torch profiler)
-and has 150 fewer autograd nodes. The frozen products of all
-members are submitted before the CPU LoRA math starts, so on an NPU backend they queue back to back while the CPU
-works.
+MLP node (server/engine/models/mlp.py) a SmolLM2 step makes 1,070 instead of 1,427 GEMM calls (torch profiler) and
+has 150 fewer autograd nodes. The frozen products of all members are submitted before the CPU LoRA math starts, so
+on an NPU backend they queue back to back while the CPU works.
 
 Only for members without dropout (or not training) and with one scaling; ``groupable`` says when.
 """
