@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 from collections.abc import Callable
 
@@ -12,19 +11,20 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest accepted mmap threshold on 64-
 
 
 @functools.cache
-def _glibc(symbol: str) -> Callable[..., int] | None:
-    if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):  # bionic, musl: their mallopt numbers differ
-        return None
-    name = ctypes.util.find_library("c")
+def _libc(symbol: str, *, glibc_only: bool = False) -> Callable[..., int] | None:
+    """``symbol`` from the C library loaded in this process, if it has one (``glibc_only``: and it is glibc)."""
     try:
-        fn: Callable[..., int] = getattr(ctypes.CDLL(name), symbol)
-    except (OSError, AttributeError, TypeError):
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process, libc's among them
+    except OSError:
         return None
+    if glibc_only and not hasattr(libc, "gnu_get_libc_version"):
+        return None
+    fn: Callable[..., int] | None = getattr(libc, symbol, None)
     return fn
 
 
 def _trim() -> Callable[[int], int] | None:
-    return _glibc("malloc_trim")
+    return _libc("malloc_trim")
 
 
 def keep_freed_heap() -> bool:
@@ -37,7 +37,7 @@ def keep_freed_heap() -> bool:
     thousand page faults per step). Buffers up to 32 MB now come from the heap and the heap is never trimmed by
     itself; ``release_free_heap`` (called after a job) still gives the freed memory back. Process-wide and lasting.
     """
-    fn = _glibc("mallopt")
+    fn = _libc("mallopt", glibc_only=True)  # bionic's and musl's mallopt parameter numbers differ
     if fn is None:
         return False
     return bool(fn(_M_TRIM_THRESHOLD, 1 << 30)) and bool(fn(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))

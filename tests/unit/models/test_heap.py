@@ -29,10 +29,10 @@ def test_trim_returns_freed_heap_to_the_os() -> None:
 
 _CHURN = """
 import ctypes, sys, psutil, torch
-from lorad.server.engine.models.heap import keep_freed_heap
+from lorad.server.engine.models.heap import _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD, keep_freed_heap
 libc = ctypes.CDLL(None)
 # glibc's starting thresholds, pinned (its adaptive ones depend on what the imports happened to free)
-assert libc.mallopt(-1, 128 * 1024) and libc.mallopt(-3, 128 * 1024)
+assert libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024) and libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
 if sys.argv[1] == "keep":
     assert keep_freed_heap()
 rss = lambda: psutil.Process().memory_info().rss >> 20
