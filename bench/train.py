@@ -566,10 +566,10 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _median_rows(rounds: list[list[dict]]) -> list[dict]:
-    """One row per system: its median-speed round's row, with the ratios replaced by the median of the per-round
-    ratios (each against the baselines of the same round) and every round's values listed; the cold-plan keys come
-    from round 1."""
+def _median_rows(rounds: list[list[dict]], first_steps: dict[str, dict]) -> list[dict]:
+    """One row per system: its median-speed round's row, with the ratios (which ``_table`` set on every round's rows)
+    replaced by the median of the per-round ratios (each against the baselines of the same round) and every round's
+    values listed, plus the system's first-step runs (``_first_steps``, round 1 only)."""
     out = []
     for i, first in enumerate(rounds[0]):
         runs = [rs[i] for rs in rounds if "error" not in rs[i]]
@@ -577,7 +577,7 @@ def _median_rows(rounds: list[list[dict]]) -> list[dict]:
             out.append(first)
             continue
         mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
-        row = {k: v for k, v in first.items() if "cold" in k or k.startswith(("busy_", "plan_progress"))} | dict(mid)
+        row = dict(mid) | first_steps.get(first["system"], {})
         for key in ("x_peft_fp32", "x_peft_bf16", "rss_x_peft_fp32", "eval_dev_pct"):
             vals = [r[key] for r in runs if key in r]
             if vals:
@@ -640,12 +640,15 @@ def main() -> None:
     if a.systems:
         systems = [s for s in a.systems.split(",") if s]
     rounds: list[list[dict]] = []
+    first_steps: dict[str, dict] = {}
     for k in range(max(a.rounds, 1)):
         # The host's speed drifts over minutes (this 2-core VM: ±25 %); alternating the order puts every system
         # next to its baselines early and late, and each round's ratios compare neighbouring runs.
         got: dict[str, dict] = {}
         for s in systems if k % 2 == 0 else systems[::-1]:
-            first = _first_steps(a, init) if s == "lorad-auto" and k == 0 else {}
+            if s == "lorad-auto" and k == 0:
+                first_steps[s] = _first_steps(a, init)
+            first = first_steps.get(s, {}) if k == 0 else {}
             print(f"# round {k + 1}: running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
             r = got[s] = _spawn(s, a, init) | first
             msg = r.get("error") or "{:.1f} tok/s, peak {:.0f} MiB, {:.0f}s".format(
@@ -654,7 +657,7 @@ def main() -> None:
             print(f"#   {s}: {msg}", file=sys.stderr, flush=True)
         rounds.append([got[s] for s in systems])
     tables = [_table(rs) for rs in rounds]
-    rows = rounds[0] if len(rounds) == 1 else _median_rows(rounds)
+    rows = rounds[0] if len(rounds) == 1 else _median_rows(rounds, first_steps)
     print(
         f"{a.model or 'SmolLM2-135M-Instruct'}, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on all 7 "
         "projections, "
