@@ -2,7 +2,13 @@
 
 The planner prices precisions with this table instead of assuming that fewer bytes are faster (on x86 ORT w8a8 is no
 faster than torch bf16, and fake-quant "w8a8" on torch is slower than fp32). A calibration times each distinct
-weight shape once per precision on random data and caches the result per machine, so it is paid once per host.
+weight shape per precision on random data and caches the result per machine, so it is paid once per host.
+
+Two things keep the table steady enough to plan with. The precisions of one shape are timed in alternation (fp32,
+bf16, w8a8, fp32, bf16, ...), so a host whose speed drifts while it measures shifts all of them alike and their
+ratios, which is what a plan depends on, hold. And a table measured while something else had the cores is used for
+the plan at hand but never cached: the calling thread's CPU time over the timed calls, against their wall time, shows
+whether the timing thread had its core: on a CPU backend it computes or spin-waits through every call.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ from lorad.kernels.frozen import make_frozen_linear
 
 log = structlog.get_logger(__name__)
 
-COSTS_VERSION = 3  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats
+COSTS_VERSION = 4  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats;
+# 4: a shape's precisions timed in alternation, busy tables not cached
+BUSY_SHARE = 0.6
+"""A table is "busy" when the thread timing the calls ran less than this share of their wall time (CPU backends;
+quiet: 0.97-1.0 here, 0.4 with three other busy processes on the 2 cores)."""
 # Rows timed per call are capped so one product does at most this many multiply-adds (the 49152x576 lm_head at 256
 # rows would take ~1 s in torch fp32 here); the time is scaled linearly to the requested rows (GEMM time is linear in
 # rows once rows >= 32).
@@ -39,6 +49,13 @@ class CostTable:
     rows: int
     machine: str
     ms: dict[str, float] = field(default_factory=dict)
+    cpu_share: float = float("nan")
+    """The timing thread's CPU time over wall time while this run measured (NaN: nothing timed, or an NPU backend)."""
+
+    @property
+    def busy(self) -> bool:
+        """Measured while other work held the cores (see ``BUSY_SHARE``): fine for one plan, not to keep."""
+        return self.cpu_share < BUSY_SHARE
 
     @staticmethod
     def key(shape: tuple[int, int], precision: str, direction: str) -> str:
@@ -68,15 +85,31 @@ def machine_fingerprint(backend: str) -> str:
     return " / ".join(parts)
 
 
-def _time_call(fn: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor, repeats: int) -> float:
-    fn(a)  # warm-up: the first call may build a session or pack weights
-    times = []
+def _guards_busy(backend: str) -> bool:
+    """Whether the timing thread's CPU share tells a busy host here: on the CPU backends the calling thread computes
+    (or spin-waits) through every call, so it runs all the time unless other work takes its core. An NPU call makes
+    it sleep, so there the share says nothing."""
+    return backend in ("torch", "ort-cpu")
+
+
+def _interleaved(
+    calls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], repeats: int
+) -> tuple[dict[str, float], float, float]:
+    """(fastest ms per name, calling thread's CPU s, wall s) of ``repeats`` rounds over every call in turn, after one
+    warm-up each.
+
+    The fastest: other load only ever adds time. In turn: a drifting host slows every precision of the round alike.
+    """
+    for _, fn, a in calls:
+        fn(a)  # warm-up: the first call may build a session or pack weights
+    best = {name: float("inf") for name, _, _ in calls}
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(a)
-        times.append(time.perf_counter() - t0)
-    # The fastest call: other load on the machine only ever adds time, and the table is kept for the machine.
-    return min(times) * 1e3
+        for name, fn, a in calls:
+            t0 = time.perf_counter()
+            fn(a)
+            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+    return best, time.thread_time() - cpu0, time.perf_counter() - wall0
 
 
 def measure(
@@ -86,7 +119,7 @@ def measure(
     *,
     rows: int,
     cache_dir: Path | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
     on_progress: Callable[[float], None] | None = None,
 ) -> CostTable:
     """The cost table for every (shape, precision, direction), measuring only what the cache lacks.
@@ -97,7 +130,7 @@ def measure(
         precisions: precisions to time (ones the backend rejects are skipped).
         rows: token rows per call the plan is for (the sequence bucket).
         cache_dir: where ``costs-<hash>.json`` lives (None: no cache).
-        repeats: timed calls per entry (the fastest counts).
+        repeats: timed rounds over a shape's precisions (the fastest call of each counts).
         on_progress: called with the fraction of entries done (0..1) as it goes.
     """
     machine = machine_fingerprint(backend)
@@ -114,28 +147,45 @@ def measure(
             pass
     gen = torch.Generator().manual_seed(0)
     added = 0
-    todo = [(shape, p) for shape in sorted(set(shapes)) for p in precisions]
-    for i, (shape, p) in enumerate(todo):
+    cpu_s = wall_s = 0.0
+    distinct = sorted(set(shapes))
+    for i, shape in enumerate(distinct):
         if on_progress is not None:
-            on_progress(i / len(todo))
-        if all(CostTable.key(shape, p, d) in table.ms for d in ("fwd", "bwd")):
+            on_progress(i / len(distinct))
+        todo = [p for p in precisions if not all(CostTable.key(shape, p, d) in table.ms for d in ("fwd", "bwd"))]
+        if not todo:
             continue
         w = torch.randn(shape, generator=gen) * 0.02
-        try:
-            fl = make_frozen_linear(w, None, backend=backend, precision=p, name=f"cost:{shape}")
-        except ValueError:
-            continue
         r = max(_MIN_ROWS, min(rows, _MAX_MACS // (shape[0] * shape[1])))
         x = torch.randn(r, shape[1], generator=gen)
         dy = torch.randn(r, shape[0], generator=gen)
-        scale = rows / r
-        table.ms[CostTable.key(shape, p, "fwd")] = _time_call(fl.forward, x, repeats) * scale
-        table.ms[CostTable.key(shape, p, "bwd")] = _time_call(fl.input_grad, dy, repeats) * scale
-        added += 1
-    if path is not None and added:
+        calls = []
+        for p in todo:
+            try:
+                fl = make_frozen_linear(w, None, backend=backend, precision=p, name=f"cost:{shape}")
+            except ValueError:
+                continue
+            calls += [
+                (CostTable.key(shape, p, "fwd"), fl.forward, x),
+                (CostTable.key(shape, p, "bwd"), fl.input_grad, dy),
+            ]
+        best, c, t = _interleaved(calls, repeats)
+        table.ms.update({k: v * rows / r for k, v in best.items()})  # GEMM time is linear in rows (rows >= 32)
+        cpu_s, wall_s, added = cpu_s + c, wall_s + t, added + len(calls) // 2
+    if wall_s > 0 and _guards_busy(backend):
+        table.cpu_share = cpu_s / wall_s
+    if table.busy:
+        log.warning(
+            "precision_costs_busy",
+            backend=backend,
+            cpu_share=round(table.cpu_share, 2),
+            detail="other work held the cores while the costs were timed: used for this plan, not cached",
+        )
+    elif path is not None and added:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"machine": machine, "rows": rows, "ms": table.ms}, indent=1, sort_keys=True))
         tmp.replace(path)
-    log.info("precision_costs_measured", backend=backend, rows=rows, measured=added, cached=len(table.ms) - 2 * added)
+    log.info("precision_costs_measured", backend=backend, rows=rows, measured=added, cached=len(table.ms) - 2 * added,
+             cpu_share=round(table.cpu_share, 2))  # fmt: skip
     return table

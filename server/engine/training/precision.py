@@ -240,8 +240,13 @@ def plan_job(
     finally:
         _restore_adapter(loaded.model, saved)
     plan.costs = dict(costs.ms)  # stored with the job and printed by the benchmark
+    plan.calibration["costs_cpu_share"] = costs.cpu_share
     key = plan_cache_key(loaded.model_hash, backend, cfg)
-    write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
+    if costs.busy:  # priced with a busy host's timings: this job uses the plan, the next one plans again
+        log.warning("precision_plan_not_cached", reason="cost table measured on a busy host",
+                    cpu_share=round(costs.cpu_share, 2))  # fmt: skip
+    else:
+        write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
     job = _persist(work_dir, plan, reused=False)
     rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
                          cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip

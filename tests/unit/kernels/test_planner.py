@@ -253,3 +253,28 @@ def test_drift_matches_float64_cosine_and_relative_error() -> None:
     assert drift(-ref, ref) == pytest.approx((-1.0, 2.0))
     assert drift(torch.zeros(3), torch.ones(3)) == (0.0, 1.0)
     assert all(math.isnan(v) for v in drift(torch.ones(3), torch.zeros(3)) + drift(torch.zeros(0), torch.zeros(0)))
+
+
+def test_a_cheaper_option_inside_the_cost_margin_is_not_chosen() -> None:
+    """w8a8 priced 10 % below bf16 is timing noise (COST_MARGIN 20 %): bf16 it is; priced 40 % below, w8a8."""
+    from lorad.kernels.plan import LayerPlan, Measurement
+    from lorad.kernels.planner import COST_MARGIN, _choose, worth_their_cost
+
+    def plan(int8_ms: float) -> dict[str, LayerPlan]:
+        lp = LayerPlan("l", (8, 8), "fp32", "fp32")
+        for d in ("fwd", "bwd"):
+            lp.measurements.append(Measurement(d, "bf16", *[math.nan] * 5, 0.01, time_ms=1.0, rel_y=0.01, local=True))
+            lp.measurements.append(
+                Measurement(d, "w8a8", *[math.nan] * 5, 0.02, time_ms=int8_ms, rel_y=0.02, local=True)
+            )
+        return {"l": lp}
+
+    ref_time = {"l|fwd": 3.0, "l|bwd": 3.0}
+    for int8_ms, want in ((0.9, "bf16"), (1.0 / (1 + COST_MARGIN) + 1e-6, "bf16"), (0.6, "w8a8")):
+        plans = plan(int8_ms)
+        _choose(
+            plans, reference="fp32", budget=1.0, max_layer_error=1.0, cost="measured", ref_time=ref_time, one_copy=True
+        )
+        assert (plans["l"].precision_fwd, plans["l"].precision_bwd) == (want, want), int8_ms
+    opts = [(6.0, 0.0, "fp32", "fp32"), (2.0, 0.02, "bf16", "bf16"), (1.9, 0.04, "w8a8", "w8a8")]
+    assert [o[2] for o in worth_their_cost(opts)] == ["fp32", "bf16"]

@@ -190,3 +190,23 @@ def test_planning_reports_at_least_every_second_even_when_one_pass_is_slow(
     times = [t for t, _ in seen]
     assert len(times) >= 4 and seen[-1][1] == 1.0  # 0.0, >= 2 heartbeats during the sleep, ..., 1.0
     assert max(b - a for a, b in itertools.pairwise(times)) < 2.0  # the product promise: an event per 2 s
+
+
+def test_a_plan_priced_on_a_busy_host_is_used_but_the_next_job_plans_again(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cheap = costs.measure  # the fixture's w8a8-at-half-price table
+
+    def busy(*a: Any, **k: Any) -> costs.CostTable:
+        t = cheap(*a, **k)
+        t.cpu_share = 0.3  # as measure() reports when the timing thread got 30 % of its core
+        return t
+
+    monkeypatch.setattr(costs, "measure", busy)
+    cache = tmp_path / "cache"
+    first = _run(tmp_path / "a", cache)
+    assert first.status == "completed" and any(f == "w8a8" for _, f, _ in first.precision_plan)  # the plan was used
+    assert not list((cache / PLAN_CACHE).glob("plan-*.json"))
+    plan = PrecisionPlan.from_dict(json.loads((tmp_path / "a" / PLAN_FILE).read_text()))
+    assert plan.calibration["costs_cpu_share"] == pytest.approx(0.3)  # stored with the job
+    assert _run(tmp_path / "b", cache).status == "completed" and plan_calls == [1, 1]

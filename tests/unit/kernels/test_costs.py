@@ -1,0 +1,65 @@
+"""The measured cost table: every entry timed for real, precisions of a shape in alternation, busy tables not kept."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lorad.kernels import costs
+
+SHAPES = [(24, 16), (8, 16)]
+
+
+def test_measures_every_entry_and_caches_a_quiet_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = costs.measure("torch", SHAPES, ("fp32", "bf16"), rows=32, cache_dir=tmp_path)
+    assert set(table.ms) == {
+        costs.CostTable.key(s, p, d) for s in SHAPES for p in ("fp32", "bf16") for d in ("fwd", "bwd")
+    }
+    assert all(v > 0 and math.isfinite(v) for v in table.ms.values())
+    assert table.cpu_share > 0 and math.isfinite(table.cpu_share)
+    if table.busy:  # this host is loaded right now: the guard below is what keeps that table out of the cache
+        pytest.skip(f"host busy while timing (cpu share {table.cpu_share:.2f}); the busy path is tested below")
+    (cached,) = tmp_path.glob("costs-*.json")
+    assert json.loads(cached.read_text())["ms"] == pytest.approx(table.ms)
+
+    def fail(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a cached entry was timed again")
+
+    monkeypatch.setattr(costs, "_interleaved", fail)
+    again = costs.measure("torch", SHAPES, ("fp32", "bf16"), rows=32, cache_dir=tmp_path)
+    assert again.ms == pytest.approx(table.ms) and math.isnan(again.cpu_share) and not again.busy
+
+
+def test_a_table_timed_on_a_busy_host_is_used_but_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = costs._interleaved
+
+    def starved(calls: Any, repeats: int) -> tuple[dict[str, float], float, float]:
+        best, _cpu, wall = real(calls, repeats)
+        return best, 0.3 * wall, wall  # the timing thread ran 30 % of the time
+
+    monkeypatch.setattr(costs, "_interleaved", starved)
+    table = costs.measure("torch", SHAPES, ("fp32",), rows=32, cache_dir=tmp_path)
+    assert table.busy and table.cpu_share == pytest.approx(0.3)
+    assert len(table.ms) == 4  # the plan at hand still gets every entry
+    assert not list(tmp_path.glob("costs-*.json"))
+
+
+def test_precisions_of_one_shape_are_timed_in_alternation() -> None:
+    order: list[str] = []
+
+    def call(name: str) -> Any:
+        def fn(a: torch.Tensor) -> torch.Tensor:
+            order.append(name)
+            return a
+
+        return fn
+
+    calls = [(n, call(n), torch.zeros(1)) for n in ("fp32|fwd", "bf16|fwd", "w8a8|fwd")]
+    best, cpu_s, wall_s = costs._interleaved(calls, repeats=3)
+    assert order == ["fp32|fwd", "bf16|fwd", "w8a8|fwd"] * 4  # one warm-up round, then three timed rounds in turn
+    assert set(best) == {"fp32|fwd", "bf16|fwd", "w8a8|fwd"} and wall_s >= 0 and cpu_s >= 0
