@@ -92,6 +92,19 @@ def _guards_busy(backend: str) -> bool:
     return backend in ("torch", "ort-cpu")
 
 
+def cpu_share_now(backend: str, seconds: float = 0.2) -> float:
+    """The share of wall time a product loop on this thread gets right now (NaN where ``_guards_busy`` says the
+    share means nothing): whether a plan priced on a busy host can be re-planned on a quiet one (~0.2 s)."""
+    if not _guards_busy(backend):
+        return float("nan")
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(256, 576, generator=g), torch.randn(576, 576, generator=g)
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    while time.perf_counter() - wall0 < seconds:
+        torch.mm(a, w)
+    return (time.thread_time() - cpu0) / (time.perf_counter() - wall0)
+
+
 def _interleaved(
     calls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], repeats: int
 ) -> tuple[dict[str, float], float, float]:

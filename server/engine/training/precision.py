@@ -96,7 +96,8 @@ def _persist(work_dir: Path, plan: Any, *, reused: bool) -> JobPlan:
 def known_plan(
     model_hash: str, cfg: TrainConfig, *, backend: str, work_dir: Path, cache_root: Path, resuming: bool
 ) -> JobPlan | None:
-    """The plan this job trains with when no planning is needed: the job's own on resume, else a cached one.
+    """The plan this job trains with when no planning is needed: the job's own on resume, else a cached one (but not
+    a provisional one once the host is quiet: see ``provisional``).
 
     Raises:
         CheckpointError: resuming without a readable plan file for this backend.
@@ -113,7 +114,21 @@ def known_plan(
             plan = read_cached(old_path, old)
             if plan is not None:
                 write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
+    if plan is not None and provisional(plan):
+        from lorad.kernels.costs import BUSY_SHARE, cpu_share_now
+
+        if (share := cpu_share_now(backend)) >= BUSY_SHARE:  # quiet now: replace it with a plan priced quietly
+            log.info("precision_plan_replanned_quiet", priced_share=plan.calibration["costs_cpu_share"], share=share)
+            return None
     return None if plan is None else _persist(work_dir, plan, reused=True)
+
+
+def provisional(plan: Any) -> bool:
+    """Whether ``plan`` was priced with a cost table timed on a busy host (see ``lorad.kernels.costs.BUSY_SHARE``):
+    cached and reused while the host stays busy, replaced by the first job that starts on a quiet one."""
+    from lorad.kernels.costs import BUSY_SHARE
+
+    return bool(plan.calibration.get("costs_cpu_share", math.nan) < BUSY_SHARE)
 
 
 def frozen_weights(loaded: Any) -> Weights:
@@ -242,11 +257,10 @@ def plan_job(
     plan.costs = dict(costs.ms)  # stored with the job and printed by the benchmark
     plan.calibration["costs_cpu_share"] = costs.cpu_share
     key = plan_cache_key(loaded.model_hash, backend, cfg)
-    if costs.busy:  # priced with a busy host's timings: this job uses the plan, the next one plans again
-        log.warning("precision_plan_not_cached", reason="cost table measured on a busy host",
+    if costs.busy:
+        log.warning("precision_plan_provisional", reason="cost table timed on a busy host",
                     cpu_share=round(costs.cpu_share, 2))  # fmt: skip
-    else:
-        write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
+    write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)  # provisional ones too: see known_plan
     job = _persist(work_dir, plan, reused=False)
     rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
                          cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip

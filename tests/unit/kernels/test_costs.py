@@ -63,3 +63,19 @@ def test_precisions_of_one_shape_are_timed_in_alternation() -> None:
     best, cpu_s, wall_s = costs._interleaved(calls, repeats=3)
     assert order == ["fp32|fwd", "bf16|fwd", "w8a8|fwd"] * 4  # one warm-up round, then three timed rounds in turn
     assert set(best) == {"fp32|fwd", "bf16|fwd", "w8a8|fwd"} and wall_s >= 0 and cpu_s >= 0
+
+
+def test_the_cpu_share_probe_sees_other_processes_take_the_cores() -> None:
+    import os
+    import subprocess
+    import sys
+
+    assert math.isnan(costs.cpu_share_now("qnn-htp"))  # an NPU call sleeps the caller: no verdict there
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        busy = costs.cpu_share_now("torch", seconds=0.5)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert busy < costs.BUSY_SHARE, busy

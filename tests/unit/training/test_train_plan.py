@@ -20,7 +20,7 @@ from lorad.server.engine.models.config import LEGACY_TARGETS
 from lorad.server.engine.training import recipe
 from lorad.server.engine.training.checkpoint import CheckpointError
 from lorad.server.engine.training.config import ConfigError, TrainConfig
-from lorad.server.engine.training.precision import PLAN_CACHE, PLAN_FILE, plan_cache_key
+from lorad.server.engine.training.precision import PLAN_CACHE, PLAN_FILE, plan_cache_key, provisional
 from tests.fixtures.tiny_lm import CharTokenizer
 from tests.unit.training.test_train_recipe import CFG, MCFG, SAMPLES, _weights
 
@@ -192,21 +192,39 @@ def test_planning_reports_at_least_every_second_even_when_one_pass_is_slow(
     assert max(b - a for a, b in itertools.pairwise(times)) < 2.0  # the product promise: an event per 2 s
 
 
-def test_a_plan_priced_on_a_busy_host_is_used_but_the_next_job_plans_again(
-    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("later_share", [0.3, 1.0], ids=["host-still-busy", "host-quiet-again"])
+def test_a_plan_priced_on_a_busy_host_is_provisional(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch, later_share: float
 ) -> None:
+    """Reused at once while the host stays busy (no job waits for planning again); re-planned by the first job that
+    starts on a quiet host, whose plan then stays."""
     cheap = costs.measure  # the fixture's w8a8-at-half-price table
+    shares = [0.3, 1.0]  # the cost table of the first planning run is timed busy, the second one quiet
 
-    def busy(*a: Any, **k: Any) -> costs.CostTable:
+    def timed(*a: Any, **k: Any) -> costs.CostTable:
         t = cheap(*a, **k)
-        t.cpu_share = 0.3  # as measure() reports when the timing thread got 30 % of its core
+        t.cpu_share = shares.pop(0)
         return t
 
-    monkeypatch.setattr(costs, "measure", busy)
+    probes: list[str] = []
+
+    def probe(backend: str, seconds: float = 0.2) -> float:
+        probes.append(backend)
+        return later_share
+
+    monkeypatch.setattr(costs, "measure", timed)
+    monkeypatch.setattr(costs, "cpu_share_now", probe)
     cache = tmp_path / "cache"
     first = _run(tmp_path / "a", cache)
     assert first.status == "completed" and any(f == "w8a8" for _, f, _ in first.precision_plan)  # the plan was used
-    assert not list((cache / PLAN_CACHE).glob("plan-*.json"))
     plan = PrecisionPlan.from_dict(json.loads((tmp_path / "a" / PLAN_FILE).read_text()))
-    assert plan.calibration["costs_cpu_share"] == pytest.approx(0.3)  # stored with the job
-    assert _run(tmp_path / "b", cache).status == "completed" and plan_calls == [1, 1]
+    assert plan.calibration["costs_cpu_share"] == pytest.approx(0.3)  # stored with the job, and in the cache
+    assert provisional(plan) and len(list((cache / PLAN_CACHE).glob("plan-*.json"))) == 1
+    assert _run(tmp_path / "b", cache).status == "completed" and probes == ["ort-cpu"]
+    if later_share < costs.BUSY_SHARE:
+        assert plan_calls == [1]  # still busy: the provisional plan served the second job
+        return
+    assert plan_calls == [1, 1]  # quiet: the second job planned, and its plan replaced the provisional one
+    again = PrecisionPlan.from_dict(json.loads((tmp_path / "b" / PLAN_FILE).read_text()))
+    assert not provisional(again)
+    assert _run(tmp_path / "c", cache).status == "completed" and plan_calls == [1, 1] and probes == ["ort-cpu"]
