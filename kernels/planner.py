@@ -44,11 +44,11 @@ training step with every layer at w8a8 is only ~9 % faster than all-bf16 (interl
 options that close made fresh plans of one model differ from run to run (14 vs 21 int8 layers)."""
 
 
-FIRST_AIM = 0.7
+FIRST_AIM = 0.6
 """The first chosen plan aims at this share of the budget. k is measured on the cheapest plan, whose drift is mostly
-int8's; on the mostly-bf16 plans chosen from it the whole drift ran 1.46x what k predicted (SmolLM2: 0.146 measured
-for 0.0999 predicted), so aiming at the whole budget failed the first verification and cost a back-off run (~1 s).
-Aimed at 0.7, two cold plans verified at 0.071 and 0.063 (0.070 predicted) in their first run."""
+int8's small layers; the plans chosen from it lower the big MLP layers first, whose drift ran ~1.5x what k predicted
+(SmolLM2, budget 0.1: 0.104 measured for 0.069 predicted at 0.7; earlier 0.146 for 0.0999 at 1.0), so the first
+verification failed and a back-off run followed (~1 s). At 0.6 three cold plans verified at 0.068 in one run."""
 
 
 def worth_their_cost(options: Sequence[tuple[float, float, Any, Any]]) -> list[tuple[float, float, Any, Any]]:
@@ -457,6 +457,29 @@ def _cost_of(lp: LayerPlan, m: Measurement, cost: str, ref_time: Mapping[str, fl
     return float(weight_bytes(lp.shape, pf, pb))
 
 
+def _per_weight_prices(
+    options: dict[str, list[tuple[float, float, str, str]]], shapes: Mapping[str, tuple[int, int]]
+) -> dict[str, list[tuple[float, float, str, str]]]:
+    """Each option repriced at its layer's weight count times the median ms per weight of its precision pair.
+
+    Which options a layer has stays decided by its own shape's measured times (``worth_their_cost``); what one layer's
+    option saves against another's is then proportional to their weight counts. Choosing between two precisions, the
+    knapsack ranks layers by weights per unit of error, whatever the table's numbers: the same model gets the same plan
+    from any table that admits the same precisions per shape, where per-shape times (±10 % between fresh tables here)
+    made two cold plans of one build take 14 and 32 int8 layers.
+    """
+    per_weight: dict[tuple[str, str], list[float]] = {}
+    for n, opts in options.items():
+        size = shapes[n][0] * shapes[n][1]
+        for c, _, pf, pb in opts:
+            per_weight.setdefault((pf, pb), []).append(c / size)
+    price = {k: sorted(v)[len(v) // 2] for k, v in per_weight.items()}
+    return {
+        n: [(shapes[n][0] * shapes[n][1] * price[(pf, pb)], e, pf, pb) for _, e, pf, pb in opts]
+        for n, opts in options.items()
+    }
+
+
 def _choose(
     plans: dict[str, LayerPlan],
     *,
@@ -488,6 +511,8 @@ def _choose(
                 c = float(weight_bytes(lp.shape, pf, pb)) if cost == "bytes" else tf + tb
                 opts.append((c, ef + eb, pf, pb))
         options[n] = opts if cost == "bytes" else worth_their_cost(opts)
+    if cost == "measured":
+        options = _per_weight_prices(options, {n: lp.shape for n, lp in plans.items()})
 
     def pick(lam: float) -> tuple[float, dict[str, tuple[float, float, str, str]]]:
         chosen = {n: min(o, key=lambda t: (t[0] + lam * t[1], t[1])) for n, o in options.items()}

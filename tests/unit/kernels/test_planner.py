@@ -144,8 +144,8 @@ def test_fast_mode_backs_off_when_the_verified_drift_exceeds_the_budget(monkeypa
     free = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=1.0, max_layer_error=1.0)
     all_low = free.calibration["cheapest_error"]
     assert all(lp.precision_fwd == "w8a8" for lp in free.layers.values()), free.table()
-    # A budget below what lowering everything measures, with the calibration run reporting a third of its drift (k a
-    # third of the true one, as when the calibration run was lucky; FIRST_AIM's 0.7 does not cover that): the knapsack
+    # A budget below what lowering everything measures, with the calibration run reporting a quarter of its drift (k a
+    # quarter of the true one, as when the calibration run was lucky; FIRST_AIM does not cover that): the knapsack
     # lowers more than fits, verification (its own run: the plan is not the calibration plan) must reject it.
     budget = all_low / 3
     real = planner.fast.whole_drift
@@ -154,12 +154,12 @@ def test_fast_mode_backs_off_when_the_verified_drift_exceeds_the_budget(monkeypa
     def lucky_first(*a: torch.Tensor) -> dict[str, float]:
         calls["n"] += 1
         d = real(*a)
-        return {**d, "error": d["error"] / 3} if calls["n"] == 1 else d
+        return {**d, "error": d["error"] / 4} if calls["n"] == 1 else d
 
     monkeypatch.setattr(planner.fast, "whole_drift", lucky_first)
     plan = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=budget, max_layer_error=1.0)
     print(plan.table())
-    assert plan.calibration["cheapest_error"] == pytest.approx(all_low / 3)
+    assert plan.calibration["cheapest_error"] == pytest.approx(all_low / 4)
     assert plan.calibration["verify_runs"] == len(plan.history)
     assert len(plan.history) >= 2, plan.table()
     assert plan.history[0]["error"] > budget  # the first verified plan violated the budget ...
@@ -292,3 +292,44 @@ def test_the_first_plan_aims_below_the_budget(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(planner, "FIRST_AIM", 1.0)
     whole = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=budget, max_layer_error=1.0)
     assert whole.estimated_error > aimed.estimated_error, whole.table()
+
+
+def test_the_same_plan_from_any_cost_table_that_admits_the_same_precisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh cost tables differ by ±10 % per shape; the plan must not, as long as each shape admits the same options."""
+    from lorad.kernels import planner
+    from lorad.kernels.plan import LayerPlan, Measurement
+
+    shapes = {"q": (576, 576), "k": (192, 576), "gate": (1536, 576), "down": (576, 1536)}
+    g = torch.Generator().manual_seed(1)
+
+    def plans(jitter: torch.Generator) -> tuple[dict[str, LayerPlan], dict[str, float]]:
+        out, ref_time = {}, {}
+        for i in range(6):
+            for kind, shape in shapes.items():
+                n = f"{i}.{kind}"
+                ms = shape[0] * shape[1] / 1e5  # ms of a bf16 product, proportional to its weights
+                lp = LayerPlan(n, shape, "fp32", "fp32")
+                e_b, e_i = 0.0001 * (1 + i), float(torch.rand(1, generator=g)) * 0.05 + 0.01
+                for d in ("fwd", "bwd"):
+                    wob = 1 + 0.2 * (float(torch.rand(1, generator=jitter)) - 0.5)  # ±10 % per entry
+                    for p, e, t in (("bf16", e_b, ms * wob), ("w8a8", e_i, 0.6 * ms * wob)):
+                        lp.measurements.append(Measurement(d, p, *[math.nan] * 5, e, time_ms=t, rel_y=e, local=True))
+                    ref_time[f"{n}|{d}"] = 3 * ms * wob
+                out[n] = lp
+        return out, ref_time
+
+    def chosen(seed: int) -> dict[str, tuple[str, str]]:
+        g.manual_seed(1)  # the same errors every time; only the timings move
+        ps, ref_time = plans(torch.Generator().manual_seed(seed))
+        _choose(
+            ps, reference="fp32", budget=0.3, max_layer_error=1.0, cost="measured", ref_time=ref_time, one_copy=True
+        )
+        return {n: (lp.precision_fwd, lp.precision_bwd) for n, lp in ps.items()}
+
+    from lorad.kernels.planner import _choose
+
+    first = chosen(0)
+    assert 0 < sum(p == ("w8a8", "w8a8") for p in first.values()) < len(first)  # a real choice, not all or nothing
+    assert all(chosen(seed) == first for seed in range(1, 12))
+    monkeypatch.setattr(planner, "_per_weight_prices", lambda options, _shapes: options)  # price by each table's ms
+    assert any(chosen(seed) != chosen(0) for seed in range(1, 12))
