@@ -6,9 +6,10 @@ weight shape per precision on random data and caches the result per machine, so 
 
 Two things keep the table steady enough to plan with. The precisions of one shape are timed in alternation (fp32,
 bf16, w8a8, fp32, bf16, ...), so a host whose speed drifts while it measures shifts all of them alike and their
-ratios, which is what a plan depends on, hold. And a table measured while something else had the cores is used for
-the plan at hand but never cached: the calling thread's CPU time over the timed calls, against their wall time, shows
-whether the timing thread had its core: on a CPU backend it computes or spin-waits through every call.
+ratios, which is what a plan depends on, hold. And a table measured while something else had the cores is never
+cached (the plan priced with it is cached as provisional, see ``precision.known_plan``): the calling thread's CPU
+time over the timed calls, against their wall time, shows whether it had its core, since on a CPU backend it
+computes or spin-waits through every call.
 """
 
 from __future__ import annotations
