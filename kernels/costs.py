@@ -26,6 +26,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from lorad.kernels.capabilities import capability
 from lorad.kernels.frozen import make_frozen_linear
 
 log = structlog.get_logger(__name__)
@@ -56,7 +57,7 @@ class CostTable:
     @property
     def busy(self) -> bool:
         """Measured while other work held the cores (see ``BUSY_SHARE``): fine for one plan, not to keep."""
-        return self.cpu_share < BUSY_SHARE
+        return busy(self.cpu_share)
 
     @staticmethod
     def key(shape: tuple[int, int], precision: str, direction: str) -> str:
@@ -86,17 +87,22 @@ def machine_fingerprint(backend: str) -> str:
     return " / ".join(parts)
 
 
-def _guards_busy(backend: str) -> bool:
-    """Whether the timing thread's CPU share tells a busy host here: on the CPU backends the calling thread computes
-    (or spin-waits) through every call, so it runs all the time unless other work takes its core. An NPU call makes
-    it sleep, so there the share says nothing."""
-    return backend in ("torch", "ort-cpu")
+def busy(cpu_share: float) -> bool:
+    """Whether a timing thread that ran ``cpu_share`` of the wall time shared its core with other work (NaN: unknown,
+    so not busy)."""
+    return cpu_share < BUSY_SHARE
+
+
+def _share_tells(backend: str) -> bool:
+    """Whether the timing thread's CPU share tells a busy host: on a CPU backend (``Capability.runs_on_cpu``) the
+    calling thread computes or spin-waits through every call; an NPU call makes it sleep, so there it says nothing."""
+    return capability(backend).runs_on_cpu
 
 
 def cpu_share_now(backend: str, seconds: float = 0.2) -> float:
-    """The share of wall time a product loop on this thread gets right now (NaN where ``_guards_busy`` says the
+    """The share of wall time a product loop on this thread gets right now (NaN where ``_share_tells`` says the
     share means nothing): whether a plan priced on a busy host can be re-planned on a quiet one (~0.2 s)."""
-    if not _guards_busy(backend):
+    if not _share_tells(backend):
         return float("nan")
     g = torch.Generator().manual_seed(0)
     a, w = torch.randn(256, 576, generator=g), torch.randn(576, 576, generator=g)
@@ -186,7 +192,7 @@ def measure(
         best, c, t = _interleaved(calls, repeats)
         table.ms.update({k: v * rows / r for k, v in best.items()})  # GEMM time is linear in rows (rows >= 32)
         cpu_s, wall_s, added = cpu_s + c, wall_s + t, added + len(calls) // 2
-    if wall_s > 0 and _guards_busy(backend):
+    if wall_s > 0 and _share_tells(backend):
         table.cpu_share = cpu_s / wall_s
     if table.busy:
         log.warning(

@@ -23,10 +23,6 @@ def _libc(symbol: str, *, glibc_only: bool = False) -> Callable[..., int] | None
     return fn
 
 
-def _trim() -> Callable[[int], int] | None:
-    return _libc("malloc_trim")
-
-
 def keep_freed_heap() -> bool:
     """Makes glibc keep freed memory for reuse instead of returning it to the OS at once; True when it applied.
 
@@ -50,7 +46,7 @@ def release_free_heap() -> bool:
     freed chunks (its mmap threshold grows past the freed sizes, so later buffers reuse the heap): measured RSS after
     loading a Qwen2-0.5B-shaped model 2795 MB before and 917 MB after a trim; SmolLM2-135M 546 -> 522 MB.
     """
-    fn = _trim()
+    fn = _libc("malloc_trim")
     if fn is None:
         return False
     fn(0)

@@ -115,9 +115,9 @@ def known_plan(
             if plan is not None:
                 write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
     if plan is not None and provisional(plan):
-        from lorad.kernels.costs import BUSY_SHARE, cpu_share_now
+        from lorad.kernels.costs import busy, cpu_share_now
 
-        if (share := cpu_share_now(backend)) >= BUSY_SHARE:  # quiet now: replace it with a plan priced quietly
+        if not busy(share := cpu_share_now(backend)):  # quiet now: replace it with a plan priced quietly
             log.info("precision_plan_replanned_quiet", priced_share=plan.calibration["costs_cpu_share"], share=share)
             return None
     return None if plan is None else _persist(work_dir, plan, reused=True)
@@ -126,9 +126,9 @@ def known_plan(
 def provisional(plan: Any) -> bool:
     """Whether ``plan`` was priced with a cost table timed on a busy host (see ``lorad.kernels.costs.BUSY_SHARE``):
     cached and reused while the host stays busy, replaced by the first job that starts on a quiet one."""
-    from lorad.kernels.costs import BUSY_SHARE
+    from lorad.kernels.costs import busy
 
-    return bool(plan.calibration.get("costs_cpu_share", math.nan) < BUSY_SHARE)
+    return busy(plan.calibration.get("costs_cpu_share", math.nan))
 
 
 def frozen_weights(loaded: Any) -> Weights:
