@@ -4,13 +4,16 @@ A throwaway daemon (the demo's: temporary data dir, fake "plugged in" probe file
 and the default precision ("auto"). One fresh data dir per run, so the first job is cold: the model is converted
 from its GGUF once before (not timed: an install-time cost), then
 
-- job 1: the cost table and the precision plan are measured (cold),
-- job 2: a second job of the same shape on new data finds the plan cached (warm),
+- job 1 (cold): no plan is cached, so it trains at once at the backend's unplanned precision and measures the plan
+  as its last phase, after its adapter is saved; it runs to the end (a few steps) so that planning happens,
+- job 2 (warm): a job of the same shape on new data finds the plan cached and trains on it; cancelled after its
+  first step.
 
-each cancelled after its first step. Times are from the CreateJob call to the first PROGRESS event; the largest gap
-between two consecutive events while the job is not yet training is reported too (the budget: an event at least
-every 2 s). ``--busy N`` then repeats both jobs on a fresh daemon while N other processes spin, as a phone doing
-something else would, and prints busy / quiet for each (the quiet run is its baseline, measured in the same run).
+Times are from the CreateJob call to the first PROGRESS event; the largest gap between two consecutive events before
+the first step (and, for the cold job, over its whole run including planning) is reported too (the budget: an event
+at least every 2 s). ``--busy N`` then repeats both jobs on a fresh daemon while N other processes spin, as a phone
+doing something else would, and prints busy / quiet for each (the quiet run is its baseline, measured in the same
+run).
 
     .venv/bin/python bench/first_step.py [--busy 2] [--json]
 """
@@ -33,34 +36,53 @@ from lorad.client.types import JobEventKind, JobPhase, JobState, LoraConfig, Pre
 APP = "bench-first-step"
 
 
-def _config(seed: int) -> TrainingConfig:
-    return TrainingConfig(lora=LoraConfig(rank=8, alpha=16.0), max_steps=20, seq_len=256, seed=seed,
+def _config(seed: int, steps: int) -> TrainingConfig:
+    return TrainingConfig(lora=LoraConfig(rank=8, alpha=16.0), max_steps=steps, seq_len=256, seed=seed,
                           precision=Precision.AUTO)  # fmt: skip
 
 
-def _first_step(c: Client, dataset: str, seed: int) -> dict[str, Any]:
+def _first_step(c: Client, dataset: str, seed: int, *, to_end: bool) -> dict[str, Any]:
+    """Creates a job; times CreateJob -> first step. ``to_end``: a 3-step job watched until it ends (planning after
+    training included), else a 20-step job cancelled after its first step."""
     t0 = time.monotonic()
-    job = c.create_job([dataset], _config(seed))
+    job = c.create_job([dataset], _config(seed, 3 if to_end else 20))
     times: list[float] = [t0]
     phases: dict[str, float] = {}
+    notices: list[str] = []
     first: float | None = None
+    gaps_before: list[float] = []
+    ended: float | None = None
     try:
         for u in c.watch(job):
             now = time.monotonic()
             ev = u.event
             if ev.phase is not JobPhase.UNSPECIFIED and ev.phase.value not in phases:
                 phases[ev.phase.value] = now - t0
-            if ev.kind is JobEventKind.PROGRESS and ev.progress.step >= 1:
-                first = now - t0
-                break
+            if ev.kind is JobEventKind.NOTICE:
+                notices.append(ev.message)
             times.append(now)
+            if first is None and ev.kind is JobEventKind.PROGRESS and ev.progress.step >= 1:
+                first = now - t0
+                gaps_before = [b - a for a, b in itertools.pairwise(times)]
+                if not to_end:
+                    break
+            if u.job.state is JobState.SUCCEEDED and first is not None:
+                ended = now - t0
+                break
             if u.job.state in (JobState.FAILED, JobState.CANCELLED, JobState.SUCCEEDED):
                 raise RuntimeError(f"job ended {u.job.state.value} before its first step: {u.job.error}")
     finally:
-        c.cancel_job(job)
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    return {"create_to_first_step_s": first, "phase_started_s": phases, "max_event_gap_s": max(gaps, default=0.0),
-            "events_before_first_step": len(times) - 1}  # fmt: skip
+        if not to_end:
+            c.cancel_job(job)
+    out: dict[str, Any] = {
+        "create_to_first_step_s": first, "phase_started_s": phases, "max_event_gap_s": max(gaps_before, default=0.0),
+        "events_before_first_step": len(gaps_before), "unplanned": any("no precision plan" in n for n in notices),
+    }  # fmt: skip
+    if to_end:
+        out["max_event_gap_whole_job_s"] = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        if "planning" in phases and ended is not None:
+            out["planning_after_training_s"] = ended - phases["planning"]
+    return out
 
 
 def _run(busy: int) -> dict[str, Any]:
@@ -83,8 +105,10 @@ def _run(busy: int) -> dict[str, Any]:
             c.append_samples("notes-b", samples[len(samples) // 2 :])
             spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
             try:
-                out["cold"] = _first_step(c, "notes-a", 1)
-                out["warm"] = _first_step(c, "notes-b", 2)  # new data, same model and adapter shape
+                out["cold"] = _first_step(c, "notes-a", 1, to_end=True)
+                out["warm"] = _first_step(c, "notes-b", 2, to_end=False)  # new data, same model and adapter shape
+                if out["warm"]["unplanned"]:
+                    raise RuntimeError("the warm job found no plan: the cold job's planning did not cache one")
             finally:
                 for b in spinners:
                     b.kill()
@@ -98,6 +122,9 @@ def _report(label: str, out: dict[str, Any]) -> None:
         gap, n = r["max_event_gap_s"], r["events_before_first_step"]
         print(f"{label} {k:4s}: CreateJob -> first step {r['create_to_first_step_s']:.1f} s; phases started at "
               f"{phases}; largest gap between events {gap:.2f} s ({n} events)")  # fmt: skip
+        if "planning_after_training_s" in r:
+            print(f"{label} {k:4s}: planning after training took {r['planning_after_training_s']:.1f} s; largest "
+                  f"gap between events over the whole job {r['max_event_gap_whole_job_s']:.2f} s")  # fmt: skip
 
 
 def main() -> None:

@@ -199,6 +199,7 @@ class EngineSession:
                 cfg, samples, work_dir=self.req.work_dir, cache_root=self.cache_root, model_source=entry.source,
                 on_progress=on_progress, should_pause=should_stop, load=self.loader, save_adapter=save,
                 on_phase=on_phase, on_loaded=on_loaded, on_checkpoint=on_checkpoint, backend=info,
+                defer_planning=True, on_notice=sink.notice,
             )  # fmt: skip
         except DataError as exc:
             raise JobFailure("no_usable_samples", str(exc)) from None

@@ -40,7 +40,10 @@ def test_every_step_has_progress_phases_are_typed_and_rejections_are_counted(mak
                for e in ev if e.kind == S.JOB_EVENT_KIND_PROGRESS)  # fmt: skip
 
     phases = [e.phase for e in ev if e.kind == S.JOB_EVENT_KIND_PHASE]
-    assert phases[0] == S.JOB_PHASE_LOADING and phases[-1] == S.JOB_PHASE_EXPORTING
+    # A cold "auto" job (no plan cached for the model yet) measures the plan last, after its adapter is exported.
+    cold = any(e.kind == S.JOB_EVENT_KIND_NOTICE and e.message.startswith("no precision plan") for e in ev)
+    assert phases[0] == S.JOB_PHASE_LOADING and phases[-1] == (S.JOB_PHASE_PLANNING if cold else S.JOB_PHASE_EXPORTING)
+    assert S.JOB_PHASE_PLANNING not in phases[: phases.index(S.JOB_PHASE_EXPORTING)], "no job waits for planning"
     assert phases.count(S.JOB_PHASE_EVALUATING) == 4, "the loss before training and after steps 2, 4, 5"
     assert all(not e.HasField("phase_fraction") for e in ev if e.phase == S.JOB_PHASE_LOADING)
 

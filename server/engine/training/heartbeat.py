@@ -12,9 +12,11 @@ class Heartbeat:
     on a busy one). Reports never run concurrently; the last one is sent before ``__exit__`` returns.
     """
 
-    def __init__(self, report: Callable[[float | None], None], period_s: float = 1.0) -> None:
+    def __init__(self, report: Callable[[float | None], None], period_s: float = 1.0,
+                 fraction: float | None = None) -> None:  # fmt: skip
+        """``fraction``: what the timer repeats until ``set`` is called (the caller has reported it already)."""
         self._report, self._period = report, period_s
-        self._fraction: float | None = None
+        self._fraction: float | None = fraction
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lorad-heartbeat", daemon=True)

@@ -19,6 +19,7 @@ from lorad.server.engine.training.config import TrainConfig
 log = structlog.get_logger(__name__)
 
 PLAN_FILE = "precision_plan.json"
+UNPLANNED_FILE = "precision_unplanned.json"  # an "auto" job that started before its model had a plan
 PLAN_CACHE = "plans"  # under the cache root: plan-<key>.json and costs-<machine>.json
 
 # Calibration text for planning. Sensitivity belongs to the base model, backend and adapter shape, not to one
@@ -102,10 +103,22 @@ def known_plan(
     Raises:
         CheckpointError: resuming without a readable plan file for this backend.
     """
-    from lorad.kernels.plan_cache import cache_path, read_cached, write_cached
-
     if resuming:
         return read_job_plan(work_dir, backend)
+    plan = cached_plan(model_hash, cfg, backend=backend, cache_root=cache_root)
+    if plan is not None and provisional(plan):
+        from lorad.kernels.costs import busy, cpu_share_now
+
+        if not busy(share := cpu_share_now(backend)):  # quiet now: replace it with a plan priced quietly
+            log.info("precision_plan_replanned_quiet", priced_share=plan.calibration["costs_cpu_share"], share=share)
+            return None
+    return None if plan is None else _persist(work_dir, plan, reused=True)
+
+
+def cached_plan(model_hash: str, cfg: TrainConfig, *, backend: str, cache_root: Path) -> Any:
+    """The plan cached for this model and ``cfg``'s key (provisional ones included), or None."""
+    from lorad.kernels.plan_cache import cache_path, read_cached, write_cached
+
     key = plan_cache_key(model_hash, backend, cfg)
     plan = read_cached(cache_path(cache_root / PLAN_CACHE, key), key)
     if plan is None:  # cached by a lorad that named targets q, k, …: the same plan, re-stored under today's key
@@ -114,13 +127,7 @@ def known_plan(
             plan = read_cached(old_path, old)
             if plan is not None:
                 write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)
-    if plan is not None and provisional(plan):
-        from lorad.kernels.costs import busy, cpu_share_now
-
-        if not busy(share := cpu_share_now(backend)):  # quiet now: replace it with a plan priced quietly
-            log.info("precision_plan_replanned_quiet", priced_share=plan.calibration["costs_cpu_share"], share=share)
-            return None
-    return None if plan is None else _persist(work_dir, plan, reused=True)
+    return plan
 
 
 def provisional(plan: Any) -> bool:
@@ -207,30 +214,25 @@ def read_job_plan(work_dir: Path, backend: str) -> JobPlan:
     return JobPlan(plan, hashlib.sha256(blob).hexdigest(), reused=True)
 
 
-def plan_job(
+def measure_plan(
     loaded: Any,
     cfg: TrainConfig,
     *,
     backend: str,
-    work_dir: Path,
     cache_root: Path,
     on_progress: Callable[[float], None] | None = None,
-) -> JobPlan:
-    """Plans a job's precisions (cold: nothing cached), caches and persists the plan, re-lowers the model to it.
+    weights: Weights | None = None,
+) -> Any:
+    """Measures the precision plan of ``loaded``'s model for ``cfg``'s key and caches it (the model is left as is).
 
-    Call before the Trainer exists (its optimizer must see the final model). The model must be loaded at the
-    backend's reference precision. Planning measures on CALIBRATION_TEXT with a fixed-seed adapter and restores the
-    job's adapter and the torch RNG afterwards, so the training run is unchanged by it.
+    The model must be loaded at the backend's reference precision. Planning measures on CALIBRATION_TEXT with a
+    fixed-seed adapter and restores the adapter afterwards. ``on_progress`` (fraction done, 0..1) may raise to stop
+    planning: nothing is cached then. ``weights`` are ``frozen_weights(loaded)`` when the caller has them.
 
-    Args:
-        loaded: the model loaded at the backend's reference precision, with `checkpoint.path`.
-        cfg: the job's config (budget, LoRA shape, sequence length).
-        backend: the daemon's backend.
-        work_dir: the job directory; the plan is persisted as `work_dir/precision_plan.json`.
-        cache_root: lorad cache: plans and cost tables under `plans/`, backend artifacts under `backend/`.
-        on_progress: called with the fraction of planning done (0..1).
+    Returns:
+        The PrecisionPlan (``lorad.kernels.PrecisionPlan``).
     """
-    from lorad.kernels import apply_plan, plan_precision
+    from lorad.kernels import plan_precision
     from lorad.kernels.capabilities import capability
     from lorad.kernels.costs import measure
     from lorad.kernels.plan_cache import cache_path, write_cached
@@ -238,7 +240,7 @@ def plan_job(
     progress = on_progress or (lambda _f: None)
     cap = capability(backend)
     menu = cap.planner_menu()
-    weights = frozen_weights(loaded)
+    weights = weights if weights is not None else frozen_weights(loaded)
     bucket = seq_bucket(cfg.seq_len)
     shapes = {(int(w.shape[0]), int(w.shape[1])) for w, _ in weights.values()}
     progress(0.0)
@@ -261,12 +263,60 @@ def plan_job(
         log.warning("precision_plan_provisional", reason="cost table timed on a busy host",
                     cpu_share=round(costs.cpu_share, 2))  # fmt: skip
     write_cached(cache_path(cache_root / PLAN_CACHE, key), key, plan)  # provisional ones too: see known_plan
+    progress(1.0)
+    log.info("precision_plan_measured", **plan.summary())
+    return plan
+
+
+def plan_job(
+    loaded: Any,
+    cfg: TrainConfig,
+    *,
+    backend: str,
+    work_dir: Path,
+    cache_root: Path,
+    on_progress: Callable[[float], None] | None = None,
+) -> JobPlan:
+    """Plans a job's precisions before it trains (``measure_plan``), persists the plan, re-lowers the model to it.
+
+    Call before the Trainer exists (its optimizer must see the final model). The model must be loaded at the
+    backend's reference precision; planning leaves the job's adapter and the torch RNG as they were, so the training
+    run is unchanged by it.
+
+    Args:
+        loaded: the model loaded at the backend's reference precision, with `checkpoint.path`.
+        cfg: the job's config (budget, LoRA shape, sequence length).
+        backend: the daemon's backend.
+        work_dir: the job directory; the plan is persisted as `work_dir/precision_plan.json`.
+        cache_root: lorad cache: plans and cost tables under `plans/`, backend artifacts under `backend/`.
+        on_progress: called with the fraction of planning done (0..1).
+    """
+    from lorad.kernels import apply_plan
+    from lorad.server.engine.models.heap import release_free_heap
+
+    weights = frozen_weights(loaded)
+    plan = measure_plan(loaded, cfg, backend=backend, cache_root=cache_root, on_progress=on_progress, weights=weights)
     job = _persist(work_dir, plan, reused=False)
     rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
                          cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
-    from lorad.server.engine.models.heap import release_free_heap
-
     release_free_heap()  # the reference copies and captured activations planning went through
-    progress(1.0)
-    log.info("job_precision_planned", rebuilt=rebuilt, sha256=job.sha256[:16], **plan.summary())
+    log.info("job_precision_planned", rebuilt=rebuilt, sha256=job.sha256[:16])
     return job
+
+
+def unplanned_precision(work_dir: Path) -> str | None:
+    """The uniform precision an "auto" job started at because its model had no plan yet (``mark_unplanned``), or
+    None. A resumed job keeps it even once the plan exists, so the resume is exact."""
+    path = work_dir / UNPLANNED_FILE
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_bytes())["precision"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{path}: unreadable ({e}); restart the job from step 0") from None
+
+
+def mark_unplanned(work_dir: Path, precision: str, backend: str) -> None:
+    """Records that this job trains at ``precision`` everywhere until it ends (see ``unplanned_precision``)."""
+    blob = json.dumps({"precision": precision, "backend": backend}).encode()
+    ckpt.atomic_write(work_dir / UNPLANNED_FILE, lambda f: f.write(blob))

@@ -12,12 +12,25 @@ from typing import Any
 import structlog
 import torch
 
+from lorad.kernels.capabilities import capability
 from lorad.kernels.detect import BackendInfo
 from lorad.server.engine.training import checkpoint as ckpt
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
 from lorad.server.engine.training.heartbeat import Heartbeat
-from lorad.server.engine.training.precision import JobPlan, frozen_weights, known_plan, plan_job, plans_here
+from lorad.server.engine.training.precision import (
+    UNPLANNED_FILE,
+    JobPlan,
+    cached_plan,
+    frozen_weights,
+    known_plan,
+    mark_unplanned,
+    measure_plan,
+    plan_job,
+    plans_here,
+    provisional,
+    unplanned_precision,
+)
 from lorad.server.engine.training.trainer import CheckpointCallback, PhaseCallback, Progress, Trainer
 
 log = structlog.get_logger(__name__)
@@ -48,6 +61,10 @@ def _no_phase(phase: str, fraction: float | None) -> None:
     """The default `on_phase`: nobody listens."""
 
 
+def _no_notice(message: str) -> None:
+    """The default `on_notice`: nobody listens."""
+
+
 def seed_everything(seed: int) -> None:
     """Seeds python `random`, numpy and torch (adapter init and dropout draw from torch's CPU generator)."""
     import numpy as np
@@ -68,8 +85,6 @@ def resolve_backend(backend: str) -> BackendInfo:
 def resolve_precision(precision: str, backend: str) -> str:
     """The precision a model is loaded at: `precision` itself, or for "auto" the backend's reference precision (the
     planner then lowers each layer as far as the measured LoRA-gradient drift and the measured cost allow)."""
-    from lorad.kernels.capabilities import capability
-
     return capability(backend).reference if precision == "auto" else precision
 
 
@@ -102,6 +117,8 @@ def run_recipe(
     on_loaded: Callable[[Any], None] | None = None,
     on_checkpoint: CheckpointCallback | None = None,
     backend: BackendInfo | None = None,
+    defer_planning: bool = False,
+    on_notice: Callable[[str], None] | None = None,
 ) -> RecipeResult:
     """Trains a LoRA adapter on `samples`, resuming from the newest checkpoint in `work_dir` if there is one.
 
@@ -121,6 +138,10 @@ def run_recipe(
         on_loaded: called with the LoadedModel once it is built at its final precisions, before any checkpoint is
             restored (its adapter is the fresh one: B = 0, so it computes the base model's loss).
         backend: the backend decided by the caller (the daemon), used as given; None resolves ``cfg.backend`` here.
+        defer_planning: precision "auto" on a model with no plan yet: train at once at the backend's unplanned
+            precision (``Capability.unplanned``) and measure the plan after the adapter is saved, for the jobs after
+            this one (the daemon: CreateJob never waits ~10 s for planning). False: plan first, then train on it.
+        on_notice: told things the job's owner should read (e.g. that this job trains before its plan exists).
 
     Returns:
         The result; status "completed" (adapter saved) or "paused" (checkpoint saved).
@@ -142,29 +163,50 @@ def run_recipe(
     planning = plans_here(info.name, cfg.precision)
     plan_args: dict[str, Any] = {"backend": info.name, "work_dir": work_dir, "cache_root": cache_root}
     job_plan: JobPlan | None = None
-    if load is None:
-        from lorad.server.engine.models.loader import load_model, resolve
+    # The uniform precision of an "auto" job that started before its model had a plan (kept on resume: exact).
+    unplanned = unplanned_precision(work_dir) if planning and last is not None else None
+    if planning and last is None:
+        (work_dir / UNPLANNED_FILE).unlink(missing_ok=True)  # a previous start's, without a checkpoint
+    look_up = planning and unplanned is None
+    with Heartbeat(lambda f: phase("loading", f)):  # a model load takes seconds: heard every ~1 s meanwhile
+        if load is None:
+            from lorad.server.engine.models.loader import load_model, resolve
 
-        # A known plan (the job's own on resume, or the cache's) is built directly: no reference-precision copy.
-        if planning:
-            job_plan = known_plan(resolve(model_source, cache_root).model_hash, cfg, resuming=last is not None,
-                                  **plan_args)  # fmt: skip
-        load_at: Any = job_plan.plan if job_plan else precision
-        loaded = load_model(model_source, cache_root=cache_root, backend=info.name, precision=load_at, lora=lora)
-    else:  # an injected loader (tests): load at the reference, then re-lower to a known plan
-        loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=precision, lora=lora)
-        if planning:
-            job_plan = known_plan(loaded.model_hash, cfg, resuming=last is not None, **plan_args)
-            if job_plan is not None:
-                from lorad.kernels import apply_plan
+            # A known plan (the job's own on resume, or the cache's) is built directly: no reference-precision copy.
+            if look_up:
+                job_plan = known_plan(resolve(model_source, cache_root).model_hash, cfg, resuming=last is not None,
+                                      **plan_args)  # fmt: skip
+            if look_up and job_plan is None and defer_planning:
+                unplanned = capability(info.name).unplanned()
+            load_at: Any = job_plan.plan if job_plan else (unplanned or precision)
+            loaded = load_model(model_source, cache_root=cache_root, backend=info.name, precision=load_at, lora=lora)
+        else:  # an injected loader (tests): load at the reference, then re-lower to a known plan
+            loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=precision, lora=lora)
+            if look_up:
+                job_plan = known_plan(loaded.model_hash, cfg, resuming=last is not None, **plan_args)
+                if job_plan is not None:
+                    from lorad.kernels import apply_plan
 
-                apply_plan(loaded.model, job_plan.plan, frozen_weights(loaded), backend=info.name,
-                           cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
-    if planning and job_plan is None:
-        # Before the Trainer: its optimizer and hooks must see the re-lowered model.
-        with Heartbeat(lambda f: phase("planning", f)) as beat:
-            job_plan = plan_job(loaded, cfg, on_progress=beat.set, **plan_args)
-    if planning:
+                    apply_plan(loaded.model, job_plan.plan, frozen_weights(loaded), backend=info.name,
+                               cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
+                elif defer_planning:
+                    unplanned = capability(info.name).unplanned()
+            if unplanned is not None and unplanned != precision:
+                loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=unplanned, lora=lora)
+    if unplanned is not None:
+        precision = unplanned
+        if last is None:
+            mark_unplanned(work_dir, unplanned, info.name)
+            told = (f"no precision plan for this model yet: this job trains at {unplanned} everywhere; the plan is "
+                    "measured after it finishes and used by the jobs after it")  # fmt: skip
+        else:
+            told = f"this job resumes at {unplanned} everywhere, as it started (before its model had a precision plan)"
+        (on_notice or _no_notice)(told)
+    elif planning:
+        if job_plan is None:
+            # Before the Trainer: its optimizer and hooks must see the re-lowered model.
+            with Heartbeat(lambda f: phase("planning", f)) as beat:
+                job_plan = plan_job(loaded, cfg, on_progress=beat.set, **plan_args)
         precision = "auto"
     if on_loaded is not None:
         on_loaded(loaded)
@@ -221,6 +263,20 @@ def run_recipe(
     finally:
         # -- cleanup ---------------------------------------------------------------------------------------------
         trainer.close()
+    extra: dict[str, Any] = {}
+    if unplanned is not None:
+        extra["unplanned"] = unplanned
+        if defer_planning and res.status == "completed":
+            # -- plan for the next jobs (the adapter is saved) ------------------------------------------------------
+            model_hash = loaded.model_hash
+            del trainer, loaded  # the training copy goes before the reference copy is loaded
+            loader = load if load is not None else _engine_loader()
+            extra["planned_after"] = _plan_after(
+                lambda: loader(model_source, cache_root=cache_root, backend=info.name,
+                               precision=capability(info.name).reference, lora=lora),
+                cfg, backend=info.name, cache_root=cache_root, model_hash=model_hash, phase=phase,
+                should_stop=should_pause or (lambda: False), notice=on_notice or _no_notice,
+            )  # fmt: skip
     return RecipeResult(
         res.status,
         res.step,
@@ -235,4 +291,62 @@ def run_recipe(
         precision_plan=layers,
         plan_summary=job_plan.plan.summary() if job_plan else None,
         plan_sha256=job_plan.sha256 if job_plan else None,
+        extra=extra,
     )
+
+
+class _PlanningStoppedError(Exception):
+    """The job was told to stop while its model's plan was being measured after training."""
+
+
+def _engine_loader() -> Callable[..., Any]:
+    from lorad.server.engine.models.loader import load_model
+
+    return load_model
+
+
+def _plan_after(
+    load_reference: Callable[[], Any],
+    cfg: TrainConfig,
+    *,
+    backend: str,
+    cache_root: Path,
+    model_hash: str,
+    phase: PhaseCallback,
+    should_stop: Callable[[], bool],
+    notice: Callable[[str], None],
+) -> bool:
+    """Measures and caches the plan of a model a job just trained unplanned; True when a usable plan is cached.
+
+    Runs as the job's "planning" phase after its adapter is saved. A stop request (pause, cancel, conditions, daemon
+    stop) ends it at the next progress tick with nothing cached; so does a failure, which is logged and told: the
+    adapter stands either way, and the next unplanned job measures again.
+    """
+    from lorad.server.engine.models.heap import release_free_heap
+
+    cached = cached_plan(model_hash, cfg, backend=backend, cache_root=cache_root)
+    if cached is not None and not provisional(cached):
+        return True  # another job measured it meanwhile
+    try:
+        with Heartbeat(lambda f: phase("planning", f)) as beat:
+            beat.set(0.0)
+
+            def tick(fraction: float) -> None:
+                if should_stop():
+                    raise _PlanningStoppedError
+                beat.set(fraction)
+
+            loaded = load_reference()
+            tick(0.0)
+            measure_plan(loaded, cfg, backend=backend, cache_root=cache_root, on_progress=tick)
+    except _PlanningStoppedError:
+        log.info("precision_plan_stopped", model_hash=model_hash)
+        notice("precision planning stopped; the next job on this model measures the plan")
+        return False
+    except Exception as exc:  # the adapter is saved: planning for later jobs must not fail this one
+        log.exception("precision_plan_failed", model_hash=model_hash)
+        notice(f"precision planning failed ({type(exc).__name__}: {str(exc)[:200]}); the next job tries again")
+        return False
+    finally:
+        release_free_heap()
+    return True

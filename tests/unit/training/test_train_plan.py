@@ -228,3 +228,73 @@ def test_a_plan_priced_on_a_busy_host_is_provisional(
     again = PrecisionPlan.from_dict(json.loads((tmp_path / "b" / PLAN_FILE).read_text()))
     assert not provisional(again)
     assert _run(tmp_path / "c", cache).status == "completed" and plan_calls == [1, 1] and probes == ["ort-cpu"]
+
+
+def _plans(cache: Path) -> list[Path]:
+    return sorted((cache / PLAN_CACHE).glob("plan-*.json"))
+
+
+def test_a_deferred_cold_job_trains_at_once_and_measures_the_plan_after_its_adapter(
+    tmp_path: Path, plan_calls: list[int]
+) -> None:
+    """The daemon's way (``defer_planning``): no waiting for planning before the first step; the plan is measured as
+    the job's last phase, after the adapter is saved, and the next job of the same shape trains on it."""
+    cache, phases, notes = tmp_path / "cache", [], []
+    unplanned = capability("ort-cpu").unplanned()
+    r = _run(tmp_path / "a", cache, defer_planning=True, on_notice=notes.append,
+             on_phase=lambda p, f: phases.append(p))  # fmt: skip
+    assert r.status == "completed" and r.precision == unplanned and r.precision_plan == (("*", unplanned, unplanned),)
+    assert r.extra == {"unplanned": unplanned, "planned_after": True} and plan_calls == [1] and len(_plans(cache)) == 1
+    order = list(dict.fromkeys(phases))
+    assert order.index("training") < order.index("exporting") < order.index("planning"), order
+    assert "no precision plan for this model yet" in notes[0]
+    meta = json.loads((r.adapter_dir / "training_metadata.json").read_text())
+    assert meta["precision"] == unplanned and "precision_plan" not in meta
+    phases.clear()
+    r2 = _run(tmp_path / "b", cache, defer_planning=True, on_phase=lambda p, f: phases.append(p))
+    assert r2.precision == "auto" and r2.extra == {} and plan_calls == [1] and "planning" not in phases
+    assert any(f == "w8a8" for _, f, _ in r2.precision_plan)  # the measured plan, lowered layers and all
+
+
+def test_a_deferred_job_resumes_at_the_precision_it_started_with_once_the_plan_exists(
+    tmp_path: Path, plan_calls: list[int]
+) -> None:
+    cache = tmp_path / "cache"
+    straight = _run(tmp_path / "straight", tmp_path / "other-cache", defer_planning=True)
+    n: list[int] = []
+    p = _run(tmp_path / "job", cache, defer_planning=True, on_progress=lambda pr: n.append(pr.step),
+             should_pause=lambda: len(n) >= 2)  # fmt: skip
+    assert p.status == "paused" and p.extra == {"unplanned": straight.precision} and len(_plans(cache)) == 0
+    assert _run(tmp_path / "other", cache, defer_planning=True).extra["planned_after"] and len(_plans(cache)) == 1
+    notes: list[str] = []
+    r = _run(tmp_path / "job", cache, defer_planning=True, on_notice=notes.append)
+    assert r.status == "completed" and r.resumed_from == 2 and r.precision == straight.precision
+    assert r.losses == straight.losses and r.eval_losses == straight.eval_losses  # not switched to the plan mid-job
+    assert "resumes at" in notes[0] and r.extra == {"unplanned": straight.precision, "planned_after": True}
+
+
+def test_a_stop_while_planning_after_training_keeps_the_adapter_and_caches_nothing(
+    tmp_path: Path, plan_calls: list[int]
+) -> None:
+    phases: list[str] = []
+    notes: list[str] = []
+    r = _run(tmp_path / "a", tmp_path / "cache", defer_planning=True, on_notice=notes.append,
+             on_phase=lambda p, f: phases.append(p), should_pause=lambda: "planning" in phases)  # fmt: skip
+    assert r.status == "completed" and (r.adapter_dir / "adapter_model.safetensors").is_file()
+    assert r.extra["planned_after"] is False and not _plans(tmp_path / "cache")
+    assert "planning stopped" in notes[-1]
+    again = _run(tmp_path / "b", tmp_path / "cache", defer_planning=True)  # the next unplanned job measures it
+    assert again.extra["planned_after"] is True and len(_plans(tmp_path / "cache")) == 1
+
+
+def test_a_failure_while_planning_after_training_is_told_and_the_job_still_succeeds(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("planner exploded on layer 3")
+
+    monkeypatch.setattr(recipe, "measure_plan", broken)
+    notes: list[str] = []
+    r = _run(tmp_path / "a", tmp_path / "cache", defer_planning=True, on_notice=notes.append)
+    assert r.status == "completed" and r.adapter_dir is not None and r.extra["planned_after"] is False
+    assert "planner exploded on layer 3" in notes[-1] and not _plans(tmp_path / "cache")

@@ -107,3 +107,40 @@ def test_overlap_does_not_change_numbers_on_real_model(tmp_path: Path, clip_mode
     a = load_file(str(on.adapter_dir / "adapter_model.safetensors"))
     b = load_file(str(off.adapter_dir / "adapter_model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_slow_model_load_and_first_step_are_heard_at_least_every_two_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the first PROGRESS a job loads its model and builds its step kernels, seconds each on a phone: the
+    phase is repeated meanwhile (the product promise: an event at least every 2 s)."""
+    import itertools
+    import time
+
+    from lorad.server.engine.training.trainer import Trainer
+
+    def slow_load(*a: Any, **k: Any) -> Any:
+        time.sleep(2.6)
+        return tiny_load(*a, **k)
+
+    real_step, calls = Trainer.train_step, []
+
+    def slow_first_step(self: Trainer) -> tuple[float, float, float]:
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(2.6)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", slow_first_step)
+    times: list[float] = []
+    seen: list[str] = []
+
+    def heard(what: str) -> None:
+        times.append(time.monotonic())
+        seen.append(what)
+
+    run_recipe(CFG, SAMPLES, work_dir=tmp_path, cache_root=tmp_path / "cache", load=slow_load,
+               on_phase=lambda p, f: heard(p), on_progress=lambda pr: heard(f"step {pr.step}"))  # fmt: skip
+    before_first = times[: seen.index("step 1") + 1]
+    assert seen.count("loading") >= 3 and seen[: seen.index("step 1")].count("training") >= 3, seen
+    assert max(b - a for a, b in itertools.pairwise(before_first)) < 2.0
