@@ -197,8 +197,13 @@ def test_kill9_during_ingestion_and_training(tmp_path: Path, tiny_llama: Path, t
     assert [a.adapter_id for a in listed] == [final.adapter_id]
     crashed = adapter_tensors(download(app, final.adapter_id))
 
-    # The uninterrupted reference: same data, same config, same seed, never killed.
-    ref_job = create_job(app, "reference-job", ("train",), steps=STEPS, checkpoint_every_steps=3, eval_every_steps=10)
+    # The uninterrupted reference: same data, same config, same seed, same precision, never killed. The crashed job
+    # was this model's first "auto" job, so it trained at the backend's unplanned precision (one "*" entry) while the
+    # plan was measured after it; the reference pins that precision, so every resume must have kept it exactly.
+    (used,) = listed[0].precision_plan
+    assert used.layer == "*" and used.forward == used.backward, used
+    ref_job = create_job(app, "reference-job", ("train",), steps=STEPS, checkpoint_every_steps=3, eval_every_steps=10,
+                         precision=used.forward)  # fmt: skip
     ref = wait_state(app, ref_job.job_id, FINAL, 180)
     assert ref.state == jobs_pb2.JOB_STATE_SUCCEEDED, ref.error
     reference = adapter_tensors(download(app, ref.adapter_id))

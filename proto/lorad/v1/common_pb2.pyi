@@ -357,7 +357,9 @@ class TrainingConfig(_message.Message):
     checkpoint_every_steps: _builtins.int
     """Checkpoint every this many steps (and always on pause); 0 means 50 steps."""
     seed: _builtins.int
-    """Seed for data order, dropout and initialisation; equal seeds on equal data give equal adapters."""
+    """Seed for data order, dropout and initialisation; equal seeds on equal data at equal precision give equal
+    adapters (with precision unspecified, an adapter's precision_plan says what it trained at).
+    """
     backend: Global___Backend.ValueType
     """Compute backend; unspecified lets the daemon choose."""
     precision: Global___Precision.ValueType
