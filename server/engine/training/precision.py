@@ -304,16 +304,27 @@ def plan_job(
     return job
 
 
-def unplanned_precision(work_dir: Path) -> str | None:
+def unplanned_precision(work_dir: Path, backend: str) -> str | None:
     """The uniform precision an "auto" job started at because its model had no plan yet (``mark_unplanned``), or
-    None. A resumed job keeps it even once the plan exists, so the resume is exact."""
+    None. A resumed job keeps it even once the plan exists, so the resume is exact.
+
+    Raises:
+        CheckpointError: the record is unreadable or was made on another backend (like ``read_job_plan``).
+    """
     path = work_dir / UNPLANNED_FILE
     if not path.is_file():
         return None
     try:
-        return str(json.loads(path.read_bytes())["precision"])
+        rec = json.loads(path.read_bytes())
+        precision, made_on = str(rec["precision"]), str(rec["backend"])
     except (ValueError, KeyError, TypeError) as e:
         raise ckpt.CheckpointError(f"{path}: unreadable ({e}); restart the job from step 0") from None
+    if made_on != backend:
+        raise ckpt.CheckpointError(
+            f"{path}: this job started at {precision} on backend {made_on!r}, this run uses {backend!r}; "
+            f"resume on {made_on!r}"
+        )
+    return precision
 
 
 def mark_unplanned(work_dir: Path, precision: str, backend: str) -> None:

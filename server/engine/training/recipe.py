@@ -152,6 +152,7 @@ def run_recipe(
     if backend is not None and cfg.backend not in ("auto", backend.name):
         raise ValueError(f"cfg.backend={cfg.backend!r} but the decided backend is {backend.name!r}")
     phase = on_phase or _no_phase
+    notice = on_notice or _no_notice
     phase("loading", None)
     info = backend or resolve_backend(cfg.backend)
     precision = resolve_precision(cfg.precision, info.name)
@@ -164,7 +165,7 @@ def run_recipe(
     plan_args: dict[str, Any] = {"backend": info.name, "work_dir": work_dir, "cache_root": cache_root}
     job_plan: JobPlan | None = None
     # The uniform precision of an "auto" job that started before its model had a plan (kept on resume: exact).
-    unplanned = unplanned_precision(work_dir) if planning and last is not None else None
+    unplanned = unplanned_precision(work_dir, info.name) if planning and last is not None else None
     if planning and last is None:
         (work_dir / UNPLANNED_FILE).unlink(missing_ok=True)  # a previous start's, without a checkpoint
     look_up = planning and unplanned is None
@@ -201,7 +202,7 @@ def run_recipe(
                     "measured after it finishes and used by the jobs after it")  # fmt: skip
         else:
             told = f"this job resumes at {unplanned} everywhere, as it started (before its model had a precision plan)"
-        (on_notice or _no_notice)(told)
+        notice(told)
     elif planning:
         if job_plan is None:
             # Before the Trainer: its optimizer and hooks must see the re-lowered model.
@@ -275,7 +276,7 @@ def run_recipe(
                 lambda: loader(model_source, cache_root=cache_root, backend=info.name,
                                precision=capability(info.name).reference, lora=lora),
                 cfg, backend=info.name, cache_root=cache_root, model_hash=model_hash, phase=phase,
-                should_stop=should_pause or (lambda: False), notice=on_notice or _no_notice,
+                should_stop=should_pause or (lambda: False), notice=notice,
             )  # fmt: skip
     return RecipeResult(
         res.status,

@@ -20,7 +20,7 @@ from lorad.server.engine.models.config import LEGACY_TARGETS
 from lorad.server.engine.training import recipe
 from lorad.server.engine.training.checkpoint import CheckpointError
 from lorad.server.engine.training.config import ConfigError, TrainConfig
-from lorad.server.engine.training.precision import PLAN_CACHE, PLAN_FILE, plan_cache_key, provisional
+from lorad.server.engine.training.precision import PLAN_CACHE, PLAN_FILE, UNPLANNED_FILE, plan_cache_key, provisional
 from tests.fixtures.tiny_lm import CharTokenizer
 from tests.unit.training.test_train_recipe import CFG, MCFG, SAMPLES, _weights
 
@@ -298,3 +298,22 @@ def test_a_failure_while_planning_after_training_is_told_and_the_job_still_succe
     r = _run(tmp_path / "a", tmp_path / "cache", defer_planning=True, on_notice=notes.append)
     assert r.status == "completed" and r.adapter_dir is not None and r.extra["planned_after"] is False
     assert "planner exploded on layer 3" in notes[-1] and not _plans(tmp_path / "cache")
+
+
+def test_a_deferred_job_resumed_on_another_backend_or_with_a_torn_record_fails_clearly(
+    tmp_path: Path, plan_calls: list[int]
+) -> None:
+    n: list[int] = []
+    p = _run(tmp_path / "job", tmp_path / "cache", defer_planning=True, on_progress=lambda pr: n.append(pr.step),
+             should_pause=lambda: len(n) >= 1)  # fmt: skip
+    assert p.status == "paused" and p.extra == {"unplanned": capability("ort-cpu").unplanned()}
+    record = tmp_path / "job" / UNPLANNED_FILE
+    kept = record.read_bytes()
+    with pytest.raises(CheckpointError, match=r"on backend 'ort-cpu', this run uses 'torch'; resume on 'ort-cpu'"):
+        _run(tmp_path / "job", tmp_path / "cache", replace(AUTO, backend="torch"), defer_planning=True)
+    record.write_bytes(b'{"precision": "bf16"')
+    with pytest.raises(CheckpointError, match=r"precision_unplanned\.json: unreadable"):
+        _run(tmp_path / "job", tmp_path / "cache", defer_planning=True)
+    assert plan_calls == [] and (tmp_path / "job" / "checkpoints").is_dir()  # nothing planned, the checkpoint kept
+    record.write_bytes(kept)
+    assert _run(tmp_path / "job", tmp_path / "cache", defer_planning=True).resumed_from == 1
