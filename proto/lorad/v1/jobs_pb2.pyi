@@ -120,7 +120,9 @@ class _JobPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobPhase.Val
     JOB_PHASE_LOADING: _JobPhase.ValueType  # 1
     """Loading the base model and preparing the data (tokenize, split)."""
     JOB_PHASE_PLANNING: _JobPhase.ValueType  # 2
-    """Measuring which precision each layer can run at (precision "auto" on ort-cpu / qnn-htp); has a fraction."""
+    """Measuring which precision each layer can run at (precision unspecified, on a backend with several); has a
+    fraction. A job enters it last, after its adapter is exported, when its model had no plan yet.
+    """
     JOB_PHASE_TRAINING: _JobPhase.ValueType  # 3
     """Optimizer steps; the fraction is step / total_steps."""
     JOB_PHASE_EVALUATING: _JobPhase.ValueType  # 4
@@ -136,7 +138,9 @@ JOB_PHASE_UNSPECIFIED: JobPhase.ValueType  # 0
 JOB_PHASE_LOADING: JobPhase.ValueType  # 1
 """Loading the base model and preparing the data (tokenize, split)."""
 JOB_PHASE_PLANNING: JobPhase.ValueType  # 2
-"""Measuring which precision each layer can run at (precision "auto" on ort-cpu / qnn-htp); has a fraction."""
+"""Measuring which precision each layer can run at (precision unspecified, on a backend with several); has a
+fraction. A job enters it last, after its adapter is exported, when its model had no plan yet.
+"""
 JOB_PHASE_TRAINING: JobPhase.ValueType  # 3
 """Optimizer steps; the fraction is step / total_steps."""
 JOB_PHASE_EVALUATING: JobPhase.ValueType  # 4

@@ -95,10 +95,19 @@ def _persist(work_dir: Path, plan: Any, *, reused: bool) -> JobPlan:
 
 
 def known_plan(
-    model_hash: str, cfg: TrainConfig, *, backend: str, work_dir: Path, cache_root: Path, resuming: bool
+    model_hash: str,
+    cfg: TrainConfig,
+    *,
+    backend: str,
+    work_dir: Path,
+    cache_root: Path,
+    resuming: bool,
+    keep_provisional: bool = False,
 ) -> JobPlan | None:
-    """The plan this job trains with when no planning is needed: the job's own on resume, else a cached one (but not
-    a provisional one once the host is quiet: see ``provisional``).
+    """The plan this job trains with when no planning is needed: the job's own on resume, else a cached one.
+
+    A provisional cached plan (see ``provisional``) is returned while the host is busy; once it is quiet, only with
+    ``keep_provisional`` (a deferred job trains on it and re-measures it afterwards), else None (plan now).
 
     Raises:
         CheckpointError: resuming without a readable plan file for this backend.
@@ -106,13 +115,19 @@ def known_plan(
     if resuming:
         return read_job_plan(work_dir, backend)
     plan = cached_plan(model_hash, cfg, backend=backend, cache_root=cache_root)
-    if plan is not None and provisional(plan):
-        from lorad.kernels.costs import busy, cpu_share_now
-
-        if not busy(share := cpu_share_now(backend)):  # quiet now: replace it with a plan priced quietly
-            log.info("precision_plan_replanned_quiet", priced_share=plan.calibration["costs_cpu_share"], share=share)
-            return None
+    if plan is not None and provisional(plan) and not keep_provisional and quiet_now(backend):
+        log.info("precision_plan_replanned_quiet", priced_share=plan.calibration["costs_cpu_share"])
+        return None
     return None if plan is None else _persist(work_dir, plan, reused=True)
+
+
+def quiet_now(backend: str) -> bool:
+    """Whether the host is quiet enough right now to time a cost table that is cached for good (~0.2 s probe)."""
+    from lorad.kernels.costs import busy, cpu_share_now
+
+    share = cpu_share_now(backend)
+    log.info("precision_host_probe", share=share)
+    return not busy(share)
 
 
 def cached_plan(model_hash: str, cfg: TrainConfig, *, backend: str, cache_root: Path) -> Any:

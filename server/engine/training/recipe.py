@@ -29,6 +29,7 @@ from lorad.server.engine.training.precision import (
     plan_job,
     plans_here,
     provisional,
+    quiet_now,
     unplanned_precision,
 )
 from lorad.server.engine.training.trainer import CheckpointCallback, PhaseCallback, Progress, Trainer
@@ -176,7 +177,7 @@ def run_recipe(
             # A known plan (the job's own on resume, or the cache's) is built directly: no reference-precision copy.
             if look_up:
                 job_plan = known_plan(resolve(model_source, cache_root).model_hash, cfg, resuming=last is not None,
-                                      **plan_args)  # fmt: skip
+                                      keep_provisional=defer_planning, **plan_args)  # fmt: skip
             if look_up and job_plan is None and defer_planning:
                 unplanned = capability(info.name).unplanned()
             load_at: Any = job_plan.plan if job_plan else (unplanned or precision)
@@ -184,7 +185,8 @@ def run_recipe(
         else:  # an injected loader (tests): load at the reference, then re-lower to a known plan
             loaded = load(model_source, cache_root=cache_root, backend=info.name, precision=precision, lora=lora)
             if look_up:
-                job_plan = known_plan(loaded.model_hash, cfg, resuming=last is not None, **plan_args)
+                job_plan = known_plan(loaded.model_hash, cfg, resuming=last is not None,
+                                      keep_provisional=defer_planning, **plan_args)  # fmt: skip
                 if job_plan is not None:
                     from lorad.kernels import apply_plan
 
@@ -267,17 +269,19 @@ def run_recipe(
     extra: dict[str, Any] = {}
     if unplanned is not None:
         extra["unplanned"] = unplanned
-        if defer_planning and res.status == "completed":
-            # -- plan for the next jobs (the adapter is saved) ------------------------------------------------------
-            model_hash = loaded.model_hash
-            del trainer, loaded  # the training copy goes before the reference copy is loaded
-            loader = load if load is not None else _engine_loader()
-            extra["planned_after"] = _plan_after(
-                lambda: loader(model_source, cache_root=cache_root, backend=info.name,
-                               precision=capability(info.name).reference, lora=lora),
-                cfg, backend=info.name, cache_root=cache_root, model_hash=model_hash, phase=phase,
-                should_stop=should_pause or (lambda: False), notice=notice,
-            )  # fmt: skip
+    # A job that trained unplanned, or on a plan priced on a busy host, measures the plan for the jobs after it.
+    stale = job_plan is not None and provisional(job_plan.plan)
+    if defer_planning and res.status == "completed" and (unplanned is not None or stale):
+        # -- plan for the next jobs (the adapter is saved) ------------------------------------------------------
+        model_hash = loaded.model_hash
+        del trainer, loaded  # the training copy goes before the reference copy is loaded
+        loader = load if load is not None else _engine_loader()
+        extra["planned_after"] = _plan_after(
+            lambda: loader(model_source, cache_root=cache_root, backend=info.name,
+                           precision=capability(info.name).reference, lora=lora),
+            cfg, backend=info.name, cache_root=cache_root, model_hash=model_hash, phase=phase,
+            should_stop=should_pause or (lambda: False), notice=notice,
+        )  # fmt: skip
     return RecipeResult(
         res.status,
         res.step,
@@ -328,6 +332,8 @@ def _plan_after(
     cached = cached_plan(model_hash, cfg, backend=backend, cache_root=cache_root)
     if cached is not None and not provisional(cached):
         return True  # another job measured it meanwhile
+    if cached is not None and not quiet_now(backend):
+        return True  # still busy: the provisional plan serves on; a job that ends on a quiet host measures it
     try:
         with Heartbeat(lambda f: phase("planning", f)) as beat:
             beat.set(0.0)

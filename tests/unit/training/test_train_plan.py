@@ -230,6 +230,46 @@ def test_a_plan_priced_on_a_busy_host_is_provisional(
     assert _run(tmp_path / "c", cache).status == "completed" and plan_calls == [1, 1] and probes == ["ort-cpu"]
 
 
+@pytest.mark.parametrize("later_share", [0.3, 1.0], ids=["host-still-busy", "host-quiet-again"])
+def test_a_deferred_job_trains_on_a_provisional_plan_and_remeasures_it_last_on_a_quiet_host(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch, later_share: float
+) -> None:
+    cheap = costs.measure  # the fixture's w8a8-at-half-price table
+    shares = [0.3, 1.0]  # the first cost table is timed busy, the second one quiet
+    probes: list[float] = []
+
+    def timed(*a: Any, **k: Any) -> costs.CostTable:
+        t = cheap(*a, **k)
+        t.cpu_share = shares.pop(0)
+        return t
+
+    def probe(backend: str, seconds: float = 0.2) -> float:
+        probes.append(later_share)
+        return later_share
+
+    monkeypatch.setattr(costs, "measure", timed)
+    monkeypatch.setattr(costs, "cpu_share_now", probe)
+    cache = tmp_path / "cache"
+    first = _run(tmp_path / "a", cache, defer_planning=True)  # cold: trains unplanned, caches a provisional plan
+    assert first.extra["planned_after"] and plan_calls == [1] and probes == []
+    (cached,) = _plans(cache)
+    assert provisional(PrecisionPlan.from_dict(json.loads(cached.read_text())["plan"]))
+    phases: list[str] = []
+    second = _run(tmp_path / "b", cache, defer_planning=True, on_phase=lambda p, f: phases.append(p))
+    # It trained on the provisional plan (lowered layers and all), never unplanned, and asked the host only at its end.
+    assert second.precision == "auto" and "unplanned" not in second.extra and probes == [later_share]
+    assert any(f == "w8a8" for _, f, _ in second.precision_plan)
+    assert "planning" not in phases[: phases.index("exporting")]
+    if later_share < costs.BUSY_SHARE:  # still busy: the provisional plan stays, nothing re-measured
+        assert second.extra == {"planned_after": True} and plan_calls == [1] and "planning" not in phases
+        return
+    assert second.extra == {"planned_after": True} and plan_calls == [1, 1] and phases[-1] == "planning"
+    (cached,) = _plans(cache)
+    assert not provisional(PrecisionPlan.from_dict(json.loads(cached.read_text())["plan"]))
+    third = _run(tmp_path / "c", cache, defer_planning=True)  # the quiet plan stays: nothing measured after
+    assert third.extra == {} and plan_calls == [1, 1] and probes == [later_share]
+
+
 def _plans(cache: Path) -> list[Path]:
     return sorted((cache / PLAN_CACHE).glob("plan-*.json"))
 
