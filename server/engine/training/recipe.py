@@ -321,7 +321,8 @@ def _plan_after(
     should_stop: Callable[[], bool],
     notice: Callable[[str], None],
 ) -> bool:
-    """Measures and caches the plan of a model a job just trained unplanned; True when a usable plan is cached.
+    """Measures and caches the plan of a model a job just trained unplanned or on a provisional plan (re-measured
+    only if the host is quiet now); True when a usable plan is cached.
 
     Runs as the job's "planning" phase after its adapter is saved. A stop request (pause, cancel, conditions, daemon
     stop) ends it at the next progress tick with nothing cached; so does a failure, which is logged and told: the
