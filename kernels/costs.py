@@ -31,8 +31,17 @@ from lorad.kernels.frozen import make_frozen_linear
 
 log = structlog.get_logger(__name__)
 
-COSTS_VERSION = 4  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats;
-# 4: a shape's precisions timed in alternation, busy tables not cached
+COSTS_VERSION = 5  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats;
+# 4: a shape's precisions timed in alternation, busy tables not cached; 5: fastest over PASSES passes
+PASSES = 3
+MIN_ROUND_MS = 40.0
+"""A shape's timed rounds in one pass last at least this long: k/v's 0.2 ms products got 5 rounds (~6 ms) and their
+w8a8/bf16 ratio spread 0.84-0.95 over fresh tables, against 0.70-0.80 for the 576x576 shape."""
+_MAX_ROUNDS = 200
+"""Passes over all shapes; each entry keeps its fastest call over all of them. A fresh process's first second ran
+int8 products up to 1.7x slower than later ones (bf16 1.1x), so one pass put SmolLM2's w8a8/bf16 ratios at 0.82-1.06
+(lm_head) and 0.66-0.84 (down_proj) in four fresh processes, across the planner's 0.8 admission line, and fresh plans
+took 26 or 44 int8 layers; three passes gave 0.69-0.74 and 0.63-0.71 (~2 s more, paid once per machine)."""
 BUSY_SHARE = 0.6
 """A table is "busy" when the thread timing the calls ran less than this share of their wall time (CPU backends;
 quiet: 0.97-1.0 here, 0.4 with three other busy processes on the 2 cores)."""
@@ -113,10 +122,10 @@ def cpu_share_now(backend: str, seconds: float = 0.2) -> float:
 
 
 def _interleaved(
-    calls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], repeats: int
+    calls: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], repeats: int, min_ms: float = 0.0
 ) -> tuple[dict[str, float], float, float]:
-    """(fastest ms per name, calling thread's CPU s, wall s) of ``repeats`` rounds over every call in turn, after one
-    warm-up each.
+    """(fastest ms per name, calling thread's CPU s, wall s) of at least ``repeats`` rounds over every call in turn,
+    after one warm-up each; more rounds (up to ``_MAX_ROUNDS``) until the timed rounds took ``min_ms``.
 
     The fastest: other load only ever adds time. In turn: a drifting host slows every precision of the round alike.
     """
@@ -124,7 +133,9 @@ def _interleaved(
         fn(a)  # warm-up: the first call may build a session or pack weights
     best = {name: float("inf") for name, _, _ in calls}
     cpu0, wall0 = time.thread_time(), time.perf_counter()
-    for _ in range(repeats):
+    rounds = 0
+    while rounds < repeats or (rounds < _MAX_ROUNDS and (time.perf_counter() - wall0) * 1e3 < min_ms):
+        rounds += 1
         for name, fn, a in calls:
             t0 = time.perf_counter()
             fn(a)
@@ -141,6 +152,7 @@ def measure(
     cache_dir: Path | None = None,
     repeats: int = 5,
     on_progress: Callable[[float], None] | None = None,
+    passes: int = PASSES,
 ) -> CostTable:
     """The cost table for every (shape, precision, direction), measuring only what the cache lacks.
 
@@ -150,8 +162,9 @@ def measure(
         precisions: precisions to time (ones the backend rejects are skipped).
         rows: token rows per call the plan is for (the sequence bucket).
         cache_dir: where ``costs-<hash>.json`` lives (None: no cache).
-        repeats: timed rounds over a shape's precisions (the fastest call of each counts).
+        repeats: timed rounds over a shape's precisions per pass (the fastest call of each counts).
         on_progress: called with the fraction of entries done (0..1) as it goes.
+        passes: passes over all shapes (see ``PASSES``).
     """
     machine = machine_fingerprint(backend)
     table = CostTable(backend, rows, machine)
@@ -166,32 +179,37 @@ def measure(
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     gen = torch.Generator().manual_seed(0)
-    added = 0
     cpu_s = wall_s = 0.0
     distinct = sorted(set(shapes))
-    for i, shape in enumerate(distinct):
-        if on_progress is not None:
-            on_progress(i / len(distinct))
-        todo = [p for p in precisions if not all(CostTable.key(shape, p, d) in table.ms for d in ("fwd", "bwd"))]
-        if not todo:
-            continue
-        w = torch.randn(shape, generator=gen) * 0.02
-        r = max(_MIN_ROWS, min(rows, _MAX_MACS // (shape[0] * shape[1])))
-        x = torch.randn(r, shape[1], generator=gen)
-        dy = torch.randn(r, shape[0], generator=gen)
-        calls = []
-        for p in todo:
-            try:
-                fl = make_frozen_linear(w, None, backend=backend, precision=p, name=f"cost:{shape}")
-            except ValueError:
-                continue
-            calls += [
-                (CostTable.key(shape, p, "fwd"), fl.forward, x),
-                (CostTable.key(shape, p, "bwd"), fl.input_grad, dy),
-            ]
-        best, c, t = _interleaved(calls, repeats)
-        table.ms.update({k: v * rows / r for k, v in best.items()})  # GEMM time is linear in rows (rows >= 32)
-        cpu_s, wall_s, added = cpu_s + c, wall_s + t, added + len(calls) // 2
+    todo = {s: [p for p in precisions if not all(CostTable.key(s, p, d) in table.ms for d in ("fwd", "bwd"))]
+            for s in distinct}  # fmt: skip
+    work = [s for s in distinct if todo[s]]
+    best: dict[str, float] = {}
+    added = 0
+    for n in range(passes):
+        for i, shape in enumerate(work):
+            if on_progress is not None:
+                on_progress((n * len(work) + i) / (passes * len(work)))
+            w = torch.randn(shape, generator=gen) * 0.02
+            r = max(_MIN_ROWS, min(rows, _MAX_MACS // (shape[0] * shape[1])))
+            x = torch.randn(r, shape[1], generator=gen)
+            dy = torch.randn(r, shape[0], generator=gen)
+            calls = []
+            for p in todo[shape]:
+                try:
+                    fl = make_frozen_linear(w, None, backend=backend, precision=p, name=f"cost:{shape}")
+                except ValueError:
+                    continue
+                calls += [
+                    (CostTable.key(shape, p, "fwd"), fl.forward, x),
+                    (CostTable.key(shape, p, "bwd"), fl.input_grad, dy),
+                ]
+            fastest, c, t = _interleaved(calls, repeats, MIN_ROUND_MS)
+            for k, v in fastest.items():  # GEMM time is linear in rows (rows >= 32)
+                best[k] = min(best.get(k, float("inf")), v * rows / r)
+            cpu_s, wall_s = cpu_s + c, wall_s + t
+            added += len(calls) // 2 if n == 0 else 0
+    table.ms.update(best)
     if wall_s > 0 and _share_tells(backend):
         table.cpu_share = cpu_s / wall_s
     if table.busy:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ def test_measures_every_entry_and_caches_a_quiet_table(tmp_path: Path, monkeypat
 def test_a_table_timed_on_a_busy_host_is_used_but_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = costs._interleaved
 
-    def starved(calls: Any, repeats: int) -> tuple[dict[str, float], float, float]:
-        best, _cpu, wall = real(calls, repeats)
+    def starved(calls: Any, repeats: int, min_ms: float = 0.0) -> tuple[dict[str, float], float, float]:
+        best, _cpu, wall = real(calls, repeats, min_ms)
         return best, 0.3 * wall, wall  # the timing thread ran 30 % of the time
 
     monkeypatch.setattr(costs, "_interleaved", starved)
@@ -63,6 +64,18 @@ def test_precisions_of_one_shape_are_timed_in_alternation() -> None:
     best, cpu_s, wall_s = costs._interleaved(calls, repeats=3)
     assert order == ["fp32|fwd", "bf16|fwd", "w8a8|fwd"] * 4  # one warm-up round, then three timed rounds in turn
     assert set(best) == {"fp32|fwd", "bf16|fwd", "w8a8|fwd"} and wall_s >= 0 and cpu_s >= 0
+    order.clear()
+
+    def slow(a: torch.Tensor) -> torch.Tensor:
+        order.append("slow")
+        time.sleep(0.002)
+        return a
+
+    costs._interleaved([("slow", slow, torch.zeros(1))], repeats=3, min_ms=30.0)  # cheap calls: more rounds
+    assert 1 + 3 < len(order) <= 1 + 16  # 2 ms each: ~15 rounds fill 30 ms
+    order.clear()
+    costs._interleaved([("slow", slow, torch.zeros(1))], repeats=3, min_ms=1.0)  # the repeats are a floor
+    assert len(order) == 1 + 3
 
 
 def test_the_cpu_share_probe_sees_other_processes_take_the_cores() -> None:
