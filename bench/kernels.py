@@ -46,7 +46,7 @@ MODELS: dict[str, dict[str, Any]] = {
 # ort-cpu w8a8 form = activation scale granularity: "row" (per token, the default) or "tensor" (one per call).
 CPU_CASES = [
     ("torch", "fp32"), ("ort-cpu", "fp32"), ("ort-cpu", "w8a8", "row"), ("ort-cpu", "w8a8", "tensor"),
-    ("torch", "fp16"), ("torch", "w8a8"),
+    ("torch", "fp16"), ("torch", "bf16"), ("torch", "w8a8"),
 ]  # fmt: skip
 HTP_CASES = [("qnn-htp", "fp16", "dynamic"), ("qnn-htp", "fp16", "static"), ("qnn-htp", "w8a16", "static")]
 
