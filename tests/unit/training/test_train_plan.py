@@ -192,21 +192,20 @@ def test_planning_reports_at_least_every_second_even_when_one_pass_is_slow(
     assert max(b - a for a, b in itertools.pairwise(times)) < 2.0  # the product promise: an event per 2 s
 
 
-@pytest.mark.parametrize("later_share", [0.3, 1.0], ids=["host-still-busy", "host-quiet-again"])
-def test_a_plan_priced_on_a_busy_host_is_provisional(
-    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch, later_share: float
-) -> None:
-    """Reused at once while the host stays busy (no job waits for planning again); re-planned by the first job that
-    starts on a quiet host, whose plan then stays."""
+def _first_table_busy(monkeypatch: pytest.MonkeyPatch, later_share: float) -> list[str]:
+    """The first cost table is timed busy (CPU share 0.3), the second one quiet; the quiet probe says ``later_share``.
+
+    Returns:
+        The backends the probe was asked about, in order.
+    """
     cheap = costs.measure  # the fixture's w8a8-at-half-price table
-    shares = [0.3, 1.0]  # the cost table of the first planning run is timed busy, the second one quiet
+    shares = [0.3, 1.0]
+    probes: list[str] = []
 
     def timed(*a: Any, **k: Any) -> costs.CostTable:
         t = cheap(*a, **k)
         t.cpu_share = shares.pop(0)
         return t
-
-    probes: list[str] = []
 
     def probe(backend: str, seconds: float = 0.2) -> float:
         probes.append(backend)
@@ -214,6 +213,16 @@ def test_a_plan_priced_on_a_busy_host_is_provisional(
 
     monkeypatch.setattr(costs, "measure", timed)
     monkeypatch.setattr(costs, "cpu_share_now", probe)
+    return probes
+
+
+@pytest.mark.parametrize("later_share", [0.3, 1.0], ids=["host-still-busy", "host-quiet-again"])
+def test_a_plan_priced_on_a_busy_host_is_provisional(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch, later_share: float
+) -> None:
+    """Reused at once while the host stays busy (no job waits for planning again); re-planned by the first job that
+    starts on a quiet host, whose plan then stays."""
+    probes = _first_table_busy(monkeypatch, later_share)
     cache = tmp_path / "cache"
     first = _run(tmp_path / "a", cache)
     assert first.status == "completed" and any(f == "w8a8" for _, f, _ in first.precision_plan)  # the plan was used
@@ -234,21 +243,7 @@ def test_a_plan_priced_on_a_busy_host_is_provisional(
 def test_a_deferred_job_trains_on_a_provisional_plan_and_remeasures_it_last_on_a_quiet_host(
     tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch, later_share: float
 ) -> None:
-    cheap = costs.measure  # the fixture's w8a8-at-half-price table
-    shares = [0.3, 1.0]  # the first cost table is timed busy, the second one quiet
-    probes: list[float] = []
-
-    def timed(*a: Any, **k: Any) -> costs.CostTable:
-        t = cheap(*a, **k)
-        t.cpu_share = shares.pop(0)
-        return t
-
-    def probe(backend: str, seconds: float = 0.2) -> float:
-        probes.append(later_share)
-        return later_share
-
-    monkeypatch.setattr(costs, "measure", timed)
-    monkeypatch.setattr(costs, "cpu_share_now", probe)
+    probes = _first_table_busy(monkeypatch, later_share)
     cache = tmp_path / "cache"
     first = _run(tmp_path / "a", cache, defer_planning=True)  # cold: trains unplanned, caches a provisional plan
     assert first.extra["planned_after"] and plan_calls == [1] and probes == []
@@ -257,7 +252,7 @@ def test_a_deferred_job_trains_on_a_provisional_plan_and_remeasures_it_last_on_a
     phases: list[str] = []
     second = _run(tmp_path / "b", cache, defer_planning=True, on_phase=lambda p, f: phases.append(p))
     # It trained on the provisional plan (lowered layers and all), never unplanned, and asked the host only at its end.
-    assert second.precision == "auto" and "unplanned" not in second.extra and probes == [later_share]
+    assert second.precision == "auto" and "unplanned" not in second.extra and probes == ["ort-cpu"]
     assert any(f == "w8a8" for _, f, _ in second.precision_plan)
     assert "planning" not in phases[: phases.index("exporting")]
     if later_share < costs.BUSY_SHARE:  # still busy: the provisional plan stays, nothing re-measured
@@ -267,7 +262,7 @@ def test_a_deferred_job_trains_on_a_provisional_plan_and_remeasures_it_last_on_a
     (cached,) = _plans(cache)
     assert not provisional(PrecisionPlan.from_dict(json.loads(cached.read_text())["plan"]))
     third = _run(tmp_path / "c", cache, defer_planning=True)  # the quiet plan stays: nothing measured after
-    assert third.extra == {} and plan_calls == [1, 1] and probes == [later_share]
+    assert third.extra == {} and plan_calls == [1, 1] and probes == ["ort-cpu"]
 
 
 def _plans(cache: Path) -> list[Path]:
