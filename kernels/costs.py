@@ -34,14 +34,14 @@ log = structlog.get_logger(__name__)
 COSTS_VERSION = 5  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats;
 # 4: a shape's precisions timed in alternation, busy tables not cached; 5: fastest over PASSES passes
 PASSES = 3
-MIN_ROUND_MS = 40.0
-"""A shape's timed rounds in one pass last at least this long: k/v's 0.2 ms products got 5 rounds (~6 ms) and their
-w8a8/bf16 ratio spread 0.84-0.95 over fresh tables, against 0.70-0.80 for the 576x576 shape."""
-_MAX_ROUNDS = 200
 """Passes over all shapes; each entry keeps its fastest call over all of them. A fresh process's first second ran
 int8 products up to 1.7x slower than later ones (bf16 1.1x), so one pass put SmolLM2's w8a8/bf16 ratios at 0.82-1.06
 (lm_head) and 0.66-0.84 (down_proj) in four fresh processes, across the planner's 0.8 admission line, and fresh plans
 took 26 or 44 int8 layers; three passes gave 0.69-0.74 and 0.63-0.71 (~2 s more, paid once per machine)."""
+MIN_ROUND_MS = 40.0
+"""A shape's timed rounds in one pass last at least this long: k/v's 0.2 ms products got 5 rounds (~6 ms) and their
+w8a8/bf16 ratio spread 0.84-0.95 over fresh tables, against 0.70-0.80 for the 576x576 shape."""
+_MAX_ROUNDS = 200  # per shape and pass, whatever MIN_ROUND_MS asks
 BUSY_SHARE = 0.6
 """A table is "busy" when the thread timing the calls ran less than this share of their wall time (CPU backends;
 quiet: 0.97-1.0 here, 0.4 with three other busy processes on the 2 cores)."""
@@ -152,7 +152,6 @@ def measure(
     cache_dir: Path | None = None,
     repeats: int = 5,
     on_progress: Callable[[float], None] | None = None,
-    passes: int = PASSES,
 ) -> CostTable:
     """The cost table for every (shape, precision, direction), measuring only what the cache lacks.
 
@@ -164,7 +163,8 @@ def measure(
         cache_dir: where ``costs-<hash>.json`` lives (None: no cache).
         repeats: timed rounds over a shape's precisions per pass (the fastest call of each counts).
         on_progress: called with the fraction of entries done (0..1) as it goes.
-        passes: passes over all shapes (see ``PASSES``).
+
+    Every shape is timed in ``PASSES`` passes over all of them (``MIN_ROUND_MS`` a pass at least).
     """
     machine = machine_fingerprint(backend)
     table = CostTable(backend, rows, machine)
@@ -185,11 +185,10 @@ def measure(
             for s in distinct}  # fmt: skip
     work = [s for s in distinct if todo[s]]
     best: dict[str, float] = {}
-    added = 0
-    for n in range(passes):
+    for n in range(PASSES):
         for i, shape in enumerate(work):
             if on_progress is not None:
-                on_progress((n * len(work) + i) / (passes * len(work)))
+                on_progress((n * len(work) + i) / (PASSES * len(work)))
             w = torch.randn(shape, generator=gen) * 0.02
             r = max(_MIN_ROWS, min(rows, _MAX_MACS // (shape[0] * shape[1])))
             x = torch.randn(r, shape[1], generator=gen)
@@ -208,8 +207,8 @@ def measure(
             for k, v in fastest.items():  # GEMM time is linear in rows (rows >= 32)
                 best[k] = min(best.get(k, float("inf")), v * rows / r)
             cpu_s, wall_s = cpu_s + c, wall_s + t
-            added += len(calls) // 2 if n == 0 else 0
     table.ms.update(best)
+    added = len(best) // 2  # (shape, precision) pairs timed: a fwd and a bwd entry each
     if wall_s > 0 and _share_tells(backend):
         table.cpu_share = cpu_s / wall_s
     if table.busy:

@@ -92,3 +92,20 @@ def test_the_cpu_share_probe_sees_other_processes_take_the_cores() -> None:
             p.kill()
             p.wait()
     assert busy < costs.BUSY_SHARE, busy
+
+
+def test_every_shape_is_timed_in_passes_and_keeps_its_fastest_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow first pass (a fresh process's first second) must not price the table: each entry keeps its minimum."""
+    seen: list[tuple[int, int]] = []
+
+    def fake(calls: Any, repeats: int, min_ms: float = 0.0) -> tuple[dict[str, float], float, float]:
+        assert min_ms == costs.MIN_ROUND_MS
+        seen.append(tuple(int(v) for v in calls[0][0].split("|")[0].split("x")))
+        return {name: next(per_pass) if i == 0 else 1.0 for i, (name, _, _) in enumerate(calls)}, 1.0, 1.0
+
+    per_pass = iter([5.0, 5.0, 2.0, 2.0, 3.0, 3.0])  # both shapes: pass 1 slow, pass 2 fastest, pass 3 between
+    monkeypatch.setattr(costs, "_interleaved", fake)
+    table = costs.measure("torch", SHAPES, ("fp32",), rows=32)
+    assert seen == sorted(set(SHAPES)) * costs.PASSES  # all shapes in each pass, not one shape three times
+    for shape in set(SHAPES):
+        assert table.get(shape, "fp32", "fwd") == pytest.approx(2.0) and table.get(shape, "fp32", "bwd") == 1.0
