@@ -34,8 +34,10 @@ class LayerwiseAdamW:
     the step of a group does not depend on other groups' gradients, i.e. clipping is off or per layer
     (`clip_mode="per_layer"`: each layer's adapters are clipped to `max_grad_norm` by their own norm). With global-norm
     clipping the scale is known only after the whole backward, so every group steps in `finish()` (exact, no overlap).
-    Every group has its own `torch.optim.AdamW(foreach=True)`, whose per-element math is that of one AdamW over all
-    parameters, so the overlapped result equals a plain sequential step.
+    Every group has its own `torch.optim.AdamW(fused=True)`, whose per-element math is that of one AdamW over all
+    parameters, so the overlapped result equals a plain sequential step. Fused rather than foreach: on the CPU
+    foreach runs one kernel per tensor and op, fused one per tensor; SmolLM2's 30 groups stepped in 12 instead of
+    22 ms, a 256-token step 0.985x as long (16 interleaved pairs, 2 threads, Zen 5).
     """
 
     def __init__(
@@ -63,7 +65,7 @@ class LayerwiseAdamW:
         self._names = names
         self._params = {n: list(ps) for n, ps in groups}
         self._opts = {
-            n: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
+            n: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
             for n, ps in groups
         }
         self._max_norm = float(max_grad_norm)

@@ -39,7 +39,7 @@ def _run_layerwise(overlap: bool, max_norm: float, mode: str, steps: int = 4) ->
 def _run_reference(max_norm: float, steps: int = 4) -> TinyLM:
     m = _model()
     params = [p for _, ps in m.lora_groups() for p in ps]
-    opt = torch.optim.AdamW(params, foreach=True, **KW)
+    opt = torch.optim.AdamW(params, fused=True, **KW)
     for x, y in _batches(steps):
         m(x, y).backward()
         if max_norm:
