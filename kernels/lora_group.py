@@ -12,6 +12,7 @@ Only for members without dropout (or not training) and with one scaling; ``group
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lorad.kernels.lora import LoRALinear, rows_fp32
+from lorad.kernels.torch_backend import TorchFrozenLinear
 
 
 def groupable(members: Sequence[LoRALinear]) -> bool:
@@ -40,24 +42,63 @@ def submit_forward(members: Sequence[LoRALinear], x2: Tensor) -> list[Future[Ten
 
 
 def finish_forward(
-    members: Sequence[LoRALinear], x2: Tensor, futs: Sequence[Future[Tensor]]
+    members: Sequence[LoRALinear], x2: Tensor, frozen: Sequence[Future[Tensor] | Tensor]
 ) -> tuple[list[Tensor], Tensor]:
     """Each member's ``frozen(x) + s·(x·A_iᵀ)·B_iᵀ`` [T, out_i] and the stacked ``h = x·[A_1; …]ᵀ`` [T, Σr].
 
-    The stacked product is written ``[Σr, in]·[in, T]`` (transposed view back): MKL's fp32 GEMM runs the thin
-    ``[T, K]·[K, r]`` layout at 4-20x the time (see ``lora._LoRAFrozenFn``).
+    ``frozen`` holds each member's frozen output, or the future of it (``submit_forward``). The stacked product is
+    written ``[Σr, in]·[in, T]`` (transposed view back): MKL's fp32 GEMM runs the thin ``[T, K]·[K, r]`` layout at
+    4-20x the time (see ``lora._LoRAFrozenFn``).
     """
     a_cat = torch.cat([m.lora_A for m in members]).detach()
     h = (a_cat @ x2.t()).t()  # [T, Σr], a transposed view of a contiguous [Σr, T]
-    s = members[0].scaling
-    ys: list[Tensor] = []
-    o = 0
-    for m, fut in zip(members, futs, strict=True):
-        y = fut.result()
-        y.addmm_(h[:, o : o + m.rank], m.lora_B.detach().t(), alpha=s)
-        ys.append(y)
-        o += m.rank
+    ys = [
+        _add_lora(m, f.result() if isinstance(f, Future) else f, h, o)
+        for m, f, o in zip(members, frozen, _offsets(members), strict=True)
+    ]
     return ys, h
+
+
+def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple[list[Tensor], Tensor, list[Tensor]]:
+    """``finish_forward``'s outputs and ``h``, plus per member what to save so that ``rebuild`` gives its output back.
+
+    A member whose frozen product is a bf16 GEMM (torch at bf16) keeps that bf16 product, half the bytes of its fp32
+    output; any other member keeps the output itself.
+    """
+    gemms = [_bf16_gemm(m) for m in members]
+    prods = [None if g is None else g.bf16_product(x2) for g in gemms]
+    frozen: list[Future[Tensor] | Tensor] = [
+        m.queue.submit(m.frozen.forward, x2) if g is None or p is None else g.widen(p)
+        for m, g, p in zip(members, gemms, prods, strict=True)
+    ]
+    ys, h = finish_forward(members, x2, frozen)
+    return ys, h, [y if p is None else p for y, p in zip(ys, prods, strict=True)]
+
+
+def rebuild(members: Sequence[LoRALinear], h: Tensor, kept: Sequence[Tensor]) -> list[Tensor]:
+    """The outputs ``forward_keeping_products`` returned, bit for bit: the same ops on the same operands (the
+    adapters do not change between a forward and its backward)."""
+    out: list[Tensor] = []
+    for m, k, o in zip(members, kept, _offsets(members), strict=True):
+        g = _bf16_gemm(m)
+        out.append(k if g is None or k.dtype == torch.float32 else _add_lora(m, g.widen(k), h, o))
+    return out
+
+
+def _bf16_gemm(m: LoRALinear) -> TorchFrozenLinear | None:
+    """``m``'s frozen layer when its forward is a torch bf16 GEMM (whose bf16 product can be kept), else None."""
+    f = m.frozen
+    return f if isinstance(f, TorchFrozenLinear) and f.precision_fwd == "bf16" else None
+
+
+def _offsets(members: Sequence[LoRALinear]) -> list[int]:
+    """Each member's first column in the stacked ``h``."""
+    return list(itertools.accumulate((m.rank for m in members[:-1]), initial=0))
+
+
+def _add_lora(m: LoRALinear, y: Tensor, h: Tensor, o: int) -> Tensor:
+    """``y += s·h[:, o:o+r]·Bᵀ`` in place: member ``m``'s LoRA term on its frozen output ``y``."""
+    return y.addmm_(h[:, o : o + m.rank], m.lora_B.detach().t(), alpha=m.scaling)
 
 
 def backward(

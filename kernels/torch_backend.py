@@ -54,9 +54,7 @@ class TorchFrozenLinear:
 
     def forward(self, x: Tensor) -> Tensor:
         if self.precision_fwd == "bf16":
-            # bf16 operands, fp32 accumulation inside oneDNN, a bf16 result widened once; the bias is added in fp32.
-            y = torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t()).float()
-            return y if self.bias is None else y.add_(self.bias)
+            return self.widen(self.bf16_product(x))
         if self.precision_fwd == "w8a8":
             wq, sw = self._store["w8a8"]
             assert sw is not None
@@ -66,6 +64,17 @@ class TorchFrozenLinear:
         w = self._dense(self.precision_fwd)
         y = x @ w.t() if self.bias is None else torch.addmm(self.bias, x, w.t())
         return y
+
+    def bf16_product(self, x: Tensor) -> Tensor:
+        """``x·Wᵀ`` as the bf16 GEMM returns it (bf16 operands, fp32 accumulation inside oneDNN, a bf16 result);
+        only at forward precision bf16. ``forward(x)`` is ``widen`` of it, so a caller may keep this half-size tensor
+        and rebuild the output bit for bit later."""
+        return torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t())
+
+    def widen(self, product: Tensor) -> Tensor:
+        """The float32 output from ``bf16_product``'s result: widened once, the bias added in fp32."""
+        y = product.float()
+        return y if self.bias is None else y.add_(self.bias)
 
     def input_grad(self, dy: Tensor) -> Tensor:
         if self.precision_bwd == "bf16":

@@ -142,7 +142,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, adapter: Any) -> Tensor:
         layers = (self.gate_proj.lora, self.up_proj.lora, self.down_proj.lora)
-        if adapter == OWN and fusable(*layers):  # one node, 3.7 instead of 5.3 MB saved per layer (mlp.py)
+        if adapter == OWN and fusable(*layers):  # one node: 2.2 (bf16) or 3.7 MB saved per layer, not 5.3
             return lora_swiglu(*layers, x)
         return self.down_proj(swiglu(self.gate_proj(x, adapter), self.up_proj(x, adapter)), adapter)
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from lorad.kernels import LoRALinear, make_frozen_linear
-from lorad.kernels.lora_group import groupable, shared_input_lora
+from lorad.kernels.lora_group import (
+    finish_forward,
+    forward_keeping_products,
+    groupable,
+    rebuild,
+    shared_input_lora,
+    submit_forward,
+)
 from lorad.server.engine.models.layers import swiglu
 from lorad.server.engine.models.mlp import fusable, lora_swiglu
 
@@ -67,6 +74,41 @@ def test_fused_swiglu_mlp_matches_separate_layers_in_fp32() -> None:
     torch.testing.assert_close(got[0], y_ref.detach(), rtol=1e-5, atol=1e-5)
     for a, b in zip(got[1], _grads(layers, x), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_members_keep_their_bf16_products_and_rebuild_their_outputs_bit_for_bit() -> None:
+    bf16_a, bf16_b = _layers([(24, 16), (24, 16)], precision="bf16")
+    (fp32,) = _layers([(24, 16)], seed=1)
+    members = [bf16_a, fp32, bf16_b]  # mixed: only the torch bf16 GEMMs have a narrower product to keep
+    x2 = torch.randn(7, 16, generator=torch.Generator().manual_seed(3))
+    ys, h, kept = forward_keeping_products(members, x2)
+    assert [k.dtype for k in kept] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert kept[1] is ys[1]
+    ys_ref, h_ref = finish_forward(members, x2, submit_forward(members, x2))
+    assert torch.equal(h, h_ref)
+    for y, y_ref, y_again in zip(ys, ys_ref, rebuild(members, h, kept), strict=True):
+        assert torch.equal(y, y_ref)
+        assert torch.equal(y_again, y)
+
+
+def test_fused_swiglu_mlp_saves_bf16_gate_and_up_at_bf16_with_the_same_gradients() -> None:
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        layers = _layers([(24, 16), (24, 16), (16, 24)], precision=precision)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(1, 7, 16, generator=g, requires_grad=True)
+        dy = torch.randn(1, 7, 16, generator=g)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = lora_swiglu(*layers, x)
+        (y * dy).sum().backward()
+        # gate and up are kept as their bf16 products at bf16 (half the bytes), as the fp32 outputs otherwise
+        assert [t.dtype for t in saved if t.shape == (7, 24)] == [dtype, dtype], precision
+        got = _grads(layers, x)
+        _zero(layers, x)
+        gate, up, down = layers
+        (down(swiglu(gate(x), up(x))) * dy).sum().backward()
+        for a, b in zip(got, _grads(layers, x), strict=True):  # the rebuilt outputs are the forward's own
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_not_groupable_with_dropout_hooks_or_rank_zero() -> None:
