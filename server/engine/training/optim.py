@@ -166,7 +166,8 @@ class LayerwiseAdamW:
         return {n: self._opts[n].state_dict() for n in self._names}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores per-group states.
+        """Restores per-group states. The kernel stays this optimizer's own (fused): torch would take the saved
+        groups' flags, and checkpoints written before the switch say foreach.
 
         Raises:
             ValueError: the group names differ from this optimizer's.
@@ -175,6 +176,8 @@ class LayerwiseAdamW:
             raise ValueError(f"optimizer state has groups {list(state)[:3]}..., expected {self._names[:3]}...")
         for n in self._names:
             self._opts[n].load_state_dict(state[n])
+            for g in self._opts[n].param_groups:
+                g["fused"], g["foreach"] = True, None
 
     def close(self) -> None:
         """Removes the hooks and stops the worker thread."""
