@@ -151,3 +151,19 @@ def test_torch_w8a8_one_int8_copy_native_gemm_equals_its_emulation(monkeypatch: 
     # The input gradient folds the weight scale into dy before quantizing, as the ort-cpu w8a8 graphs do.
     ort = make_frozen_linear(w, b, backend="ort-cpu", precision="w8a8", name="ort")
     assert _err(dx, ort.input_grad(dy))[1] < REL_TOL["w8a8"] / 2
+
+
+def test_weight_quantization_in_row_blocks_equals_the_whole_tensor_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorad.kernels import _quant
+
+    monkeypatch.setattr(_quant, "_QUANT_CHUNK_ELEMENTS", 3 * 16)  # blocks of 3 rows: the last block is partial
+    w = torch.randn(10, 16, generator=torch.Generator().manual_seed(0))
+    w[4] = 0.0  # an all-zero row keeps its 1e-30 floor
+    before = w.clone()
+    for bits in (8, 4):
+        qmax = 2 ** (bits - 1) - 1
+        scale = w.abs().amax(dim=1).clamp_min(1e-30) / qmax
+        q, s = _quant.quantize_weight(w, bits)
+        assert torch.equal(s, scale)
+        assert torch.equal(q, torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8))
+    assert torch.equal(w, before)  # an fp32 weight is divided in a copy, never in place
