@@ -44,3 +44,37 @@ def test_linear_cross_entropy_matches_full_logits() -> None:
         assert torch.allclose(loss, ref, atol=1e-5) and torch.allclose(gh, gr, atol=1e-5)
     none = linear_cross_entropy(h, torch.full((13,), -100), _Head(w))
     assert float(none) == 0.0
+
+
+class _BiasedHead(_Head):
+    """A head whose padded (zero) rows give nonzero logits, recording the row counts it is called with."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__(w)
+        self.bias = torch.linspace(-1.0, 1.0, w.shape[0])
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return x @ self.w.t() + self.bias
+
+    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        self.rows.append(dy.shape[0])
+        return dy @ self.w
+
+
+def test_linear_cross_entropy_pads_a_short_last_chunk_to_a_multiple_of_16_rows() -> None:
+    # oneDNN compiles (and keeps) a GEMM per row count; padded, four sizes serve every batch. The head's bias makes
+    # the padding rows' logits nonzero: they must not reach the loss or the gradient.
+    w = torch.randn(50, 8)
+    h = torch.randn(110, 8, requires_grad=True)
+    labels = torch.randint(0, 50, (110,))
+    labels[:10] = -100  # 100 labelled rows: one chunk of 64, then 36 padded to 48
+    head = _BiasedHead(w)
+    loss = linear_cross_entropy(h, labels, head, chunk=64)
+    (gh,) = torch.autograd.grad(loss, h)
+    assert head.rows == [64, 64, 48, 48]
+    ref = torch.nn.functional.cross_entropy(h @ w.t() + head.bias, labels)
+    (gr,) = torch.autograd.grad(ref, h)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gh, gr, rtol=1e-5, atol=1e-6)
