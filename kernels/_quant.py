@@ -21,7 +21,7 @@ def check_precision(backend: str, precision: str) -> None:
     capability(backend).check(precision)
 
 
-# Rows of a weight quantized at once: the float temporaries of quantize_weight stay at 16 MB or less, whatever the
+# Elements of a weight quantized at once: each float temporary of quantize_weight is at most 16 MB, whatever the
 # weight's size (a whole-tensor pass made three fp32 copies of Qwen2-0.5B's 545 MB embedding while loading).
 _QUANT_CHUNK_ELEMENTS = 1 << 22
 

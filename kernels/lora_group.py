@@ -65,12 +65,17 @@ def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple
     A member whose frozen product is a bf16 GEMM (torch at bf16) keeps that bf16 product, half the bytes of its fp32
     output; any other member keeps the output itself.
     """
-    gemms = [_bf16_gemm(m) for m in members]
-    prods = [None if g is None else g.bf16_product(x2) for g in gemms]
-    frozen: list[Future[Tensor] | Tensor] = [
-        m.queue.submit(m.frozen.forward, x2) if g is None or p is None else g.widen(p)
-        for m, g, p in zip(members, gemms, prods, strict=True)
-    ]
+    frozen: list[Future[Tensor] | Tensor] = []
+    prods: list[Tensor | None] = []
+    for m in members:
+        g = _bf16_gemm(m)
+        if g is None:
+            frozen.append(m.queue.submit(m.frozen.forward, x2))
+            prods.append(None)
+        else:
+            prod = g.bf16_product(x2)
+            frozen.append(g.widen(prod))
+            prods.append(prod)
     ys, h = finish_forward(members, x2, frozen)
     return ys, h, [y if p is None else p for y, p in zip(ys, prods, strict=True)]
 
@@ -81,7 +86,7 @@ def rebuild(members: Sequence[LoRALinear], h: Tensor, kept: Sequence[Tensor]) ->
     out: list[Tensor] = []
     for m, k, o in zip(members, kept, _offsets(members), strict=True):
         g = _bf16_gemm(m)
-        out.append(k if g is None or k.dtype == torch.float32 else _add_lora(m, g.widen(k), h, o))
+        out.append(k if g is None else _add_lora(m, g.widen(k), h, o))
     return out
 
 
@@ -113,19 +118,13 @@ def backward(
     futs = [m.queue.submit(m.frozen.input_grad, dy) for m, dy in zip(members, dys, strict=True)] if need_x else []
     total_r = sum(m.rank for m in members)
     g = torch.empty(total_r, x2.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
+    offsets = _offsets(members)
     d_b: list[Tensor] = []
-    o = 0
-    for m, dy in zip(members, dys, strict=True):
-        b = m.lora_B.detach()
-        torch.mm(b.t(), dy.t(), out=g[o : o + m.rank])
+    for m, dy, o in zip(members, dys, offsets, strict=True):
+        torch.mm(m.lora_B.detach().t(), dy.t(), out=g[o : o + m.rank])
         d_b.append((h[:, o : o + m.rank].t() @ dy).t().mul_(s))
-        o += m.rank
     d_a_cat = (g @ x2).mul_(s)  # [Σr, in]
-    d_a: list[Tensor] = []
-    o = 0
-    for m in members:
-        d_a.append(d_a_cat[o : o + m.rank])
-        o += m.rank
+    d_a = [d_a_cat[o : o + m.rank] for m, o in zip(members, offsets, strict=True)]
     dx = None
     if need_x:
         a_cat = torch.cat([m.lora_A for m in members]).detach()
