@@ -17,6 +17,10 @@ then as measured with the plan cached (`time_to_first_step_s`, warm). ``--busy N
 runs (short, not in the table) while N other processes spin, as a phone doing something else would
 (`busy_plan_cold_s`, `busy_time_to_first_step_cold_s`, `busy_time_to_first_step_s`); the measured runs stay quiet
 so every row's baselines run under the same conditions.
+
+The lorad systems run under the malloc ``lorad serve`` would use here (``training.allocator``'s default: tcmalloc
+where glibc Linux has it installed, server/allocator.py); the PEFT baselines under the system's malloc, as a user
+runs them, or with ``--baseline-malloc daemon`` under the same one. Every row names its malloc.
 """
 
 from __future__ import annotations
@@ -453,9 +457,12 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
 def run_worker(a: argparse.Namespace) -> None:
     import torch
 
+    from lorad.server.engine.models.heap import malloc_in_use
+
     torch.set_num_threads(a.threads)
     out = worker_peft(a.worker, a) if a.worker in PEFT_SYSTEMS else worker_lorad(a.worker, a)
     out["torch_threads"] = torch.get_num_threads()
+    out["malloc"] = malloc_in_use()
     print(MARK + json.dumps(out), flush=True)
 
 
@@ -481,6 +488,11 @@ def _spawn(
         *(["--model", a.model] if a.model else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    if system not in PEFT_SYSTEMS or a.baseline_malloc == "daemon":
+        from lorad.server.allocator import preload_env
+        from lorad.server.config import TrainingSection
+
+        env = preload_env(TrainingSection().allocator, env) or env  # as `lorad serve` starts with its defaults
     t0 = time.perf_counter()
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=a.timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
@@ -545,7 +557,7 @@ def _table(rows: list[dict]) -> str:
     f32, b16 = ref.get("peft-fp32"), ref.get("peft-bf16")
     head = (
         f"{'system':30} {'backend/prec':22} {'tok/s':>7} {'×fp32':>6} {'×bf16':>6} {'tok/cpu-s':>9} {'peakRSS':>8} "
-        f"{'RSSxfp32':>8} {'RSSload':>8} {'loss@K':>7} {'eval':>7} {'Δeval%':>7} {'optim ms':>8}"
+        f"{'RSSxfp32':>8} {'RSSload':>8} {'loss@K':>7} {'eval':>7} {'Δeval%':>7} {'optim ms':>8} malloc"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -561,7 +573,8 @@ def _table(rows: list[dict]) -> str:
         out.append(
             f"{r['system']:30} {r['backend'] + '/' + r['precision']:22} {r['tokens_per_s']:7.1f} {x32:6.2f} "
             f"{x16:6.2f} {r['tokens_per_cpu_s']:9.1f} {r['peak_rss_mb']:7.0f}M {rss:8.2f} "
-            f"{r['rss_after_load_mb']:7.0f}M {r['loss_at_k']:7.4f} {r['eval_loss']:7.4f} {dev:+7.2f} {optim}"
+            f"{r['rss_after_load_mb']:7.0f}M {r['loss_at_k']:7.4f} {r['eval_loss']:7.4f} {dev:+7.2f} {optim} "
+            f"{r.get('malloc', '?')}"
         )
     return "\n".join(out)
 
@@ -609,6 +622,12 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="with --worker: write a pyinstrument report of the steps here")
     ap.add_argument(
         "--model", default=None, help=f"an HF folder or a preset ({', '.join(MODEL_PRESETS)}); default SmolLM2"
+    )
+    ap.add_argument(
+        "--baseline-malloc",
+        choices=("system", "daemon"),
+        default="system",
+        help="the PEFT baselines' malloc: the system's (default), or the one lorad serve uses here",
     )
     ap.add_argument("--busy", type=int, default=0, help="also time lorad-auto's first steps with N processes spinning")
     ap.add_argument(

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 
 def serve_main(argv: Sequence[str]) -> int:
-    """Runs the daemon until SIGTERM/SIGINT; see ``lorad.server.daemon.serve_main``."""
+    """Runs the daemon until SIGTERM/SIGINT; see ``lorad.server.daemon.serve_main``. First re-executes itself with
+    tcmalloc preloaded where ``training.allocator`` wants it (server/allocator.py)."""
+    from lorad.server.allocator import reexec_with_allocator
+
+    code = reexec_with_allocator(argv)
+    if code is not None:
+        return code
     from lorad.server.daemon import serve_main as _serve_main
 
     return _serve_main(argv)

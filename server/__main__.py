@@ -2,6 +2,6 @@
 
 import sys
 
-from lorad.server.daemon import serve_main
+from lorad.server import serve_main
 
 sys.exit(serve_main(sys.argv[1:]))

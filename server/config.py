@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ PROFILES = ("auto", "phone", "laptop", "server")
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BACKENDS = ("auto", "torch", "ort-cpu", "qnn-htp")
+ALLOCATORS = ("auto", "tcmalloc", "system")  # server/allocator.py
 MIB = 1024 * 1024
 
 
@@ -146,6 +148,10 @@ class TrainingSection:
     )
     model_dirs: tuple[str, ...] = field(default=(), metadata=_help("Extra HF model folders, named by folder name."))
     torch_threads: int = field(default=0, metadata=_help("torch intra-op threads for training; 0 = torch default."))
+    allocator: str = field(
+        default="auto",
+        metadata=_help(f"The daemon's malloc: one of {ALLOCATORS}; auto = tcmalloc where glibc Linux has it."),
+    )
     qnn_bundle: str = field(
         default="",
         metadata=_help("A `lorad prepare` bundle for the default model: train on qnn-htp from it; '' = none."),
@@ -283,6 +289,8 @@ def _validate(cfg: Config) -> list[str]:
     backend = cfg.training.backend
     check(backend in BACKENDS, f"training.backend={backend!r}: must be one of {', '.join(BACKENDS)}")
     check(cfg.training.torch_threads >= 0, f"training.torch_threads={cfg.training.torch_threads}: must be >= 0")
+    alloc = cfg.training.allocator
+    check(alloc in ALLOCATORS, f"training.allocator={alloc!r}: must be one of {', '.join(ALLOCATORS)}")
     level = cfg.logging.level
     check(level in LOG_LEVELS, f"logging.level={level!r}: must be one of {', '.join(LOG_LEVELS)}")
     check(
@@ -355,3 +363,27 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError([f"config file {str(path)!r}: {exc}"]) from None
     return build_config(values, env)
+
+
+def serve_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Config:
+    """The configuration ``lorad serve argv`` runs with: its flags override the file's and the environment's values.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or any value is invalid.
+        SystemExit: bad flags (argparse prints the usage), or ``--help``.
+    """
+    p = argparse.ArgumentParser(prog="lorad serve", description="Run the lorad daemon.")
+    p.add_argument("--config", help="TOML config file (default $LORAD_CONFIG)")
+    p.add_argument("--data-dir", help="override storage.data_dir")
+    p.add_argument("--socket", help="override server.socket_path")
+    p.add_argument("--tcp", help="override server.tcp_address, e.g. 127.0.0.1:50051")
+    args = p.parse_args(list(argv))
+    merged = dict(os.environ if env is None else env)
+    for key, val in (
+        ("LORAD_STORAGE_DATA_DIR", args.data_dir),
+        ("LORAD_SERVER_SOCKET_PATH", args.socket),
+        ("LORAD_SERVER_TCP_ADDRESS", args.tcp),
+    ):
+        if val:
+            merged[key] = val
+    return load_config(args.config, merged)

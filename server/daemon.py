@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -17,8 +16,9 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lorad.server.config import Config, ConfigError, load_config
+from lorad.server.config import Config, ConfigError, serve_config
 from lorad.server.device.probes import Probe
+from lorad.server.engine.models.heap import malloc_in_use
 from lorad.server.jobs import SessionFactory
 from lorad.server.logs import configure_logging
 from lorad.server.qnn_bundle import StartupError
@@ -153,7 +153,8 @@ class Daemon:
         self.serving = True
         for name in ("", *SERVICE_NAMES):
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("daemon_started", socket=str(sock), tcp_port=self.tcp_port, data_dir=str(self.cfg.data_dir))
+        log.info("daemon_started", socket=str(sock), tcp_port=self.tcp_port, data_dir=str(self.cfg.data_dir),
+                 malloc=malloc_in_use())  # fmt: skip
 
     async def _set_health(self, name: str, status: int) -> None:
         res = self.health.set(name, status)
@@ -186,15 +187,6 @@ class Daemon:
         log.info("daemon_stopped")
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lorad serve", description="Run the lorad daemon.")
-    p.add_argument("--config", help="TOML config file (default $LORAD_CONFIG)")
-    p.add_argument("--data-dir", help="override storage.data_dir")
-    p.add_argument("--socket", help="override server.socket_path")
-    p.add_argument("--tcp", help="override server.tcp_address, e.g. 127.0.0.1:50051")
-    return p.parse_args(list(argv))
-
-
 async def _serve(cfg: Config) -> int:
     d = Daemon(cfg)
     await d.start()
@@ -210,21 +202,16 @@ async def _serve(cfg: Config) -> int:
 
 def serve_main(argv: Sequence[str]) -> int:
     """Entry point of `lorad serve`; returns the exit code (2 for a bad configuration)."""
-    args = _parse(argv)
-    env = dict(os.environ)
-    for key, val in (
-        ("LORAD_STORAGE_DATA_DIR", args.data_dir),
-        ("LORAD_SERVER_SOCKET_PATH", args.socket),
-        ("LORAD_SERVER_TCP_ADDRESS", args.tcp),
-    ):
-        if val:
-            env[key] = val
     try:
-        cfg = load_config(args.config, env)
+        cfg = serve_config(argv)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
     configure_logging(cfg.logging.level, cfg.logging.format)
+    if cfg.training.allocator == "tcmalloc" and malloc_in_use() != "tcmalloc":
+        print(f"lorad: training.allocator='tcmalloc' but LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r} did not "
+              "load it", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         return asyncio.run(_serve(cfg))
     except StartRefusedError as exc:  # another daemon on this data dir, or a shared directory
