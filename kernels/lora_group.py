@@ -7,7 +7,10 @@ MLP node (server/engine/models/mlp.py) a SmolLM2 step makes 1,070 instead of 1,4
 has 150 fewer autograd nodes. The frozen products of all members are submitted before the CPU LoRA math starts, so
 on an NPU backend they queue back to back while the CPU works.
 
-Only for members without dropout (or not training) and with one scaling; ``groupable`` says when.
+Only for members without dropout (or not training) and with one scaling; ``groupable`` says when. Given the RMSNorm
+before them, the q/k/v node (and the MLP node) normalise their input themselves and keep the norm's input instead of
+the normed rows (``normed_rows``): the same numbers, one [T, in] fp32 tensor less saved per node, peak RSS of a SmolLM2
+bf16 run 915 -> 879 MB under tcmalloc (two pairs of 25-step runs), the step time unchanged within the noise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lorad.kernels.lora import LoRALinear, rows_fp32
+from lorad.kernels.rmsnorm import RMSNorm, rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear
 
 
@@ -135,34 +139,66 @@ def backward(
     return dx, d_a, d_b
 
 
+def normed_rows(x: Tensor, norm: RMSNorm | None, features: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The [T, features] fp32 rows a node multiplies (``x``, or ``x`` RMS-normed when ``norm`` is given) and what it
+    saves to get them back in the backward (``recompute_rows``): the rows themselves, or the norm's input and
+    ``rstd``, which the norm's backward needs anyway (one [T, features] tensor per layer instead of two)."""
+    if norm is None:
+        x2 = rows_fp32(x, features)
+        return x2, (x2,)
+    y, rstd = rms_forward(x, *norm)
+    return rows_fp32(y, features), (x, rstd)
+
+
+def recompute_rows(norm: RMSNorm | None, saved: Sequence[Tensor], features: int) -> Tensor:
+    """``normed_rows``' rows again from what it saved, bit for bit (the same ops on the same operands)."""
+    if norm is None:
+        return saved[0]
+    x, rstd = saved
+    return rows_fp32(x * rstd * norm[0], features)
+
+
+def norm_input_grad(norm: RMSNorm | None, saved: Sequence[Tensor], dx2: Tensor, shape: torch.Size) -> Tensor:
+    """dL/d(the node's input) from dL/d(its rows) ``dx2``: through the RMSNorm's backward when it normed its input."""
+    if norm is None:
+        return dx2.reshape(shape)
+    x, rstd = saved
+    return rms_backward(dx2.reshape(shape), x, rstd, norm[0])
+
+
 class _SharedInputFn(torch.autograd.Function):
     """Autograd node of ``shared_input_lora``; parameters come in as ``*A_i, *B_i`` so their gradients flow."""
 
     @staticmethod
-    def forward(ctx: Any, members: tuple[LoRALinear, ...], x: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, members: tuple[LoRALinear, ...], norm: RMSNorm | None, x: Tensor, *params: Tensor
+    ) -> tuple[Tensor, ...]:
         del params  # read from the members (the same tensors), passed only so autograd tracks them
-        x2 = rows_fp32(x, members[0].in_features)
+        x2, saved = normed_rows(x, norm, members[0].in_features)
         ys, h = finish_forward(members, x2, submit_forward(members, x2))
-        ctx.save_for_backward(x2, h)
-        ctx.members, ctx.in_shape = members, x.shape
+        ctx.save_for_backward(h, *saved)
+        ctx.members, ctx.norm, ctx.in_shape = members, norm, x.shape
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx: Any, *dys: Tensor) -> tuple[Tensor | None, ...]:
-        x2, h = ctx.saved_tensors
-        members = ctx.members
+        h, *saved = ctx.saved_tensors
+        members, norm = ctx.members, ctx.norm
+        x2 = recompute_rows(norm, saved, members[0].in_features)
         dys2 = [rows_fp32(dy, m.out_features) for m, dy in zip(members, dys, strict=True)]
-        dx, d_a, d_b = backward(members, x2, h, dys2, need_x=ctx.needs_input_grad[1])
-        return None, None if dx is None else dx.reshape(ctx.in_shape), *d_a, *d_b
+        dx, d_a, d_b = backward(members, x2, h, dys2, need_x=ctx.needs_input_grad[2])
+        dx_in = None if dx is None else norm_input_grad(norm, saved, dx, ctx.in_shape)
+        return None, None, dx_in, *d_a, *d_b
 
 
-def shared_input_lora(members: Sequence[LoRALinear], x: Tensor) -> tuple[Tensor, ...]:
-    """``members[i](x)`` for every member, computed as one autograd node (``groupable(members)`` must hold).
+def shared_input_lora(members: Sequence[LoRALinear], x: Tensor, norm: RMSNorm | None = None) -> tuple[Tensor, ...]:
+    """``members[i](x)`` for every member, computed as one autograd node (``groupable(members)`` must hold); with
+    ``norm``, ``members[i](rms_norm(x))``, the norm inside the node (it saves x, not the normed rows).
 
     Returns:
         One fp32 tensor per member, shaped ``[*x.shape[:-1], out_i]``.
     """
     ms = tuple(members)
     params = [m.lora_A for m in ms] + [m.lora_B for m in ms]
-    out: tuple[Tensor, ...] = _SharedInputFn.apply(ms, x, *params)  # type: ignore[no-untyped-call]  # torch's apply
+    out: tuple[Tensor, ...] = _SharedInputFn.apply(ms, norm, x, *params)  # type: ignore[no-untyped-call]  # torch's
     return out

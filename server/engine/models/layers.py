@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lorad.kernels.rmsnorm import rms_backward, rms_forward
 from lorad.server.engine.models.config import ModelConfig
 
 
@@ -30,24 +31,21 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        y, rstd = rms_forward(x, weight, eps)
         ctx.save_for_backward(x, rstd, weight)
-        return x * rstd * weight
+        return y
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
         x, rstd, weight = ctx.saved_tensors
-        gw = g * weight
-        xhat = x * rstd
-        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
-        return dx, None, None
+        return rms_backward(g, x, rstd, weight), None, None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim with a frozen weight (no weight gradient)."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _RMSNorm.apply(x, weight, eps)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return rms_forward(x, weight, eps)[0]
 
 
 def _rotate_half(x: Tensor) -> Tensor:

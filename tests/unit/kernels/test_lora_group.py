@@ -111,6 +111,42 @@ def test_fused_swiglu_mlp_saves_bf16_gate_and_up_at_bf16_with_the_same_gradients
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_nodes_that_norm_their_input_keep_it_instead_of_the_normed_rows_and_match_bit_for_bit() -> None:
+    """With ``norm`` the q/k/v and MLP nodes apply the RMSNorm themselves and save its input and rstd (which its
+    backward needs anyway), not the normed [T, in] rows; the outputs and all gradients equal rms_norm followed by the
+    node, bit for bit, at fp32 and bf16."""
+    from lorad.server.engine.models.layers import rms_norm
+
+    for precision in ("fp32", "bf16"):
+        gen = torch.Generator().manual_seed(4)
+        qkv = _layers([(12, 16), (4, 16), (4, 16)], precision=precision)
+        mlp = _layers([(24, 16), (24, 16), (16, 24)], precision=precision, seed=1)
+        weight = torch.rand(16, generator=gen) + 0.5
+        x = torch.randn(1, 7, 16, generator=gen, requires_grad=True)
+        dys = [torch.randn(1, 7, n, generator=gen) for n in (12, 4, 4, 16)]
+
+        def run(fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                if fused:
+                    ys = [*shared_input_lora(qkv, x, (weight, 1e-6)), lora_swiglu(*mlp, x, (weight, 1e-6))]
+                else:
+                    normed = [rms_norm(x, weight, 1e-6) for _ in range(2)]
+                    ys = [*shared_input_lora(qkv, normed[0]), lora_swiglu(*mlp, normed[1])]
+            sum((y * d).sum() for y, d in zip(ys, dys, strict=True)).backward()
+            grads = [x.grad] + [p.grad for m in qkv + mlp for p in (m.lora_A, m.lora_B)]
+            _zero(qkv + mlp, x)
+            rows = sum(t.numel() for t in saved if t.dtype == torch.float32 and t.numel() == 7 * 16)
+            return [y.detach() for y in ys], grads, rows
+
+        ys, grads, rows = run(True)
+        ys_ref, grads_ref, rows_ref = run(False)
+        for a, b in zip(ys + grads, ys_ref + grads_ref, strict=True):
+            assert torch.equal(a, b), precision
+        # separately: each norm saves x, each node its normed rows (4 tensors); fused: each node saves x (2)
+        assert (rows, rows_ref) == (2 * 7 * 16, 4 * 7 * 16), precision
+
+
 def test_not_groupable_with_dropout_hooks_or_rank_zero() -> None:
     a, b = _layers([(8, 16), (8, 16)])
     assert groupable([a, b])
