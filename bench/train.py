@@ -457,7 +457,7 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
 def run_worker(a: argparse.Namespace) -> None:
     import torch
 
-    from lorad.server.engine.models.heap import malloc_in_use
+    from lorad.server.engine.api import malloc_in_use
 
     torch.set_num_threads(a.threads)
     out = worker_peft(a.worker, a) if a.worker in PEFT_SYSTEMS else worker_lorad(a.worker, a)

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lorad.server.config import Config, ConfigError, serve_config
 from lorad.server.device.probes import Probe
-from lorad.server.engine.models.heap import malloc_in_use
+from lorad.server.engine.api import malloc_in_use
 from lorad.server.jobs import SessionFactory
 from lorad.server.logs import configure_logging
 from lorad.server.qnn_bundle import StartupError

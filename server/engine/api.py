@@ -13,7 +13,8 @@ Verbs (each re-exports the engine function that does it; nothing here changes wh
 - generate: ``generate(model, tokenizer, ids, SamplingConfig, adapter=) -> Iterator[Token]``.
 
 - helpers: ``TrainConfig`` and its field declarations (``api_knobs``, ``Knob``, ``job_config``), ``atomic_write``,
-  the sample types, checkpoint listing, ``prepare_main`` (`lorad prepare`) and the bundle loader for qnn-htp.
+  the sample types, checkpoint listing, ``prepare_main`` (`lorad prepare`), the bundle loader for qnn-htp and
+  ``malloc_in_use`` (which malloc serves this process).
 
 Importing this module imports no engine module: each name is imported on its first use (PEP 562 ``__getattr__``),
 so a name costs what importing it from its own module cost (``lorad prepare --list-socs`` and ``import lorad.client``
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from lorad.server.engine.models.build import build_model
     from lorad.server.engine.models.config import LoraConfig, ModelConfig
     from lorad.server.engine.models.generate import SamplingConfig, Token, generate
+    from lorad.server.engine.models.heap import malloc_in_use
     from lorad.server.engine.models.hf_folder import read_config, read_weights
     from lorad.server.engine.models.kv_cache import KVCache
     from lorad.server.engine.models.loader import (
@@ -101,6 +103,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "build_model": (_E + "models.build", "build_model"),
     **{n: (_E + "models.config", n) for n in ("LoraConfig", "ModelConfig")},
     **{n: (_E + "models.generate", n) for n in ("SamplingConfig", "Token", "generate")},
+    "malloc_in_use": (_E + "models.heap", "malloc_in_use"),
     **{n: (_E + "models.hf_folder", n) for n in ("read_config", "read_weights")},
     "KVCache": (_E + "models.kv_cache", "KVCache"),
     **{n: (_E + "models.loader", n) for n in ("LoadedModel", "default_model_path", "load_model",
@@ -201,6 +204,7 @@ __all__ = [
     "load_bundle",
     "load_model",
     "lr_at",
+    "malloc_in_use",
     "model_hash_of_folder",
     "open_frozen_linears",
     "plan_job",
