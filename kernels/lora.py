@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
 from lorad.kernels.queue import NpuQueue, queue_for
+from lorad.kernels.torch_backend import TorchFrozenLinear
 
 
 def rows_fp32(t: Tensor, features: int) -> Tensor:
@@ -56,8 +57,11 @@ class _LoRAFrozenFn(torch.autograd.Function):
         dropout: float,
         training: bool,
     ) -> Tensor:
-        x2 = rows_fp32(x, frozen.in_features)
-        fut = queue.submit(frozen.forward, x2)
+        rows = x.reshape(-1, frozen.in_features).contiguous()
+        x2 = rows.float()  # rows itself when fp32
+        # Rows narrower than fp32 (the bf16 attention's output) go to a torch frozen product as they are, and are
+        # what is saved (widening them again is exact); other backends take fp32.
+        fut = queue.submit(frozen.forward, rows if isinstance(frozen, TorchFrozenLinear) else x2)
         # CPU side while the frozen product runs: s·(drop(x)·Aᵀ)·Bᵀ.
         mask = None
         xd = x2
@@ -70,7 +74,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
         h = (lora_a @ xd.t()).t()  # [T, r]
         y = fut.result()
         y.addmm_(h, lora_b.t(), alpha=scaling)
-        ctx.save_for_backward(xd, h, lora_a, lora_b, mask)
+        ctx.save_for_backward(rows if mask is None else xd, h, lora_a, lora_b, mask)
         ctx.frozen, ctx.queue, ctx.scaling = frozen, queue, scaling
         ctx.in_shape = x.shape
         return y.reshape(*x.shape[:-1], frozen.out_features)
@@ -78,6 +82,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         xd, h, lora_a, lora_b, mask = ctx.saved_tensors
+        xd = xd.float()  # exact: the forward's fp32 rows, or the narrower ones it kept
         s = ctx.scaling
         dy2 = rows_fp32(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]

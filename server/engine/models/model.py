@@ -125,8 +125,9 @@ class Attention(nn.Module):
             past = cache.length
             k, v = cache.update(layer, k, v)
         if past == 0 and t > 1 and torch.is_grad_enabled() and self._bf16_attention():
-            y = causal_attention_bf16(q, k, v)  # training: bf16 GEMMs, fp32 softmax (eval and generation: below)
-        elif past == 0:
+            # training: bf16 GEMMs, fp32 softmax, bf16 [B, T, H*D] rows out (eval and generation: below)
+            return self.o_proj(causal_attention_bf16(q, k, v), adapter)
+        if past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         elif t == 1:  # one new token attends to everything cached
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

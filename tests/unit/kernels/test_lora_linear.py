@@ -39,6 +39,36 @@ def test_lora_linear_matches_autograd(bias: bool) -> None:
     torch.testing.assert_close(m.lora_B.grad, b_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "w8a8"])
+def test_bf16_rows_are_kept_as_they_came_and_give_what_their_widened_copy_gives(precision: str) -> None:
+    """The bf16 attention hands o_proj bf16 rows: the node saves that tensor (not an fp32 copy of twice the bytes),
+    and outputs and gradients are those of the same rows widened to fp32, bit for bit (the input gradient rounded to
+    the input's bf16 by autograd)."""
+    g = torch.Generator().manual_seed(5)
+    m = LoRALinear(make_frozen_linear(torch.randn(12, 20, generator=g), None, backend="torch", precision=precision),
+                   rank=4, alpha=8.0)  # fmt: skip
+    with torch.no_grad():
+        m.lora_B.normal_(generator=g)
+    rows = torch.randn(1, 5, 20, generator=g).to(torch.bfloat16)
+    dy = torch.randn(1, 5, 12, generator=g)
+
+    def run(x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        x = x.detach().requires_grad_()
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = m(x)
+        (y * dy).sum().backward()
+        out = [y.detach(), x.grad.to(torch.bfloat16), m.lora_A.grad, m.lora_B.grad]  # type: ignore[union-attr]
+        m.lora_A.grad = m.lora_B.grad = None
+        return out, [t for t in saved if t.shape == (5, 20)]
+
+    got, kept = run(rows)
+    want, kept_fp32 = run(rows.float())
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b), precision
+    assert [t.dtype for t in kept] == [torch.bfloat16] and [t.dtype for t in kept_fp32] == [torch.float32]
+
+
 def test_lora_init_like_peft() -> None:
     m = LoRALinear(make_frozen_linear(torch.randn(6, 10), None, backend="torch"), rank=2, alpha=4.0)
     assert m.scaling == 2.0

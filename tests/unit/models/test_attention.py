@@ -15,19 +15,21 @@ def test_matches_exact_causal_attention_within_bf16_error(heads: int, kv_heads: 
     q = torch.randn(2, heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, kv_heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, kv_heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(2, heads, t, 32, generator=g, dtype=torch.float64)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    dout = torch.randn(2, t, heads * 32, generator=g, dtype=torch.float64)
+    # the exact output in the layout the bf16 one comes in: [B, T, H*D] rows, heads side by side
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(2, t, -1)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     out = causal_attention_bf16(qf, kf, vf)
-    grads = torch.autograd.grad(out, (qf, kf, vf), dout.float())
-    assert out.dtype == torch.float32 and out.shape == ref.shape
+    grads = torch.autograd.grad(out, (qf, kf, vf), dout.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert all(gr.dtype == torch.float32 for gr in grads)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b).norm() / b.norm())
 
     # bf16 operands (unit roundoff 2^-9) and fp32 softmax: ~4e-3 measured; an fp32 accumulator would also pass, a
-    # wrong mask, head grouping or softmax backward would not (errors of order 1).
+    # wrong mask, head grouping, head layout or softmax backward would not (errors of order 1).
     assert rel(out, ref) < 1.5e-2
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel(got, want) < 2.5e-2
