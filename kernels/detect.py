@@ -3,8 +3,10 @@ ONNX Runtime CPU EP, else torch fp32."""
 
 from __future__ import annotations
 
+import json
 import os
-import platform
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from lorad.kernels import ep_probe
 from lorad.kernels.capabilities import BACKENDS, cpu_bf16
 
 log = structlog.get_logger(__name__)
@@ -47,23 +50,18 @@ class BackendInfo:
     available: dict[str, str] = field(default_factory=dict)
 
 
+_PROBE_TIMEOUT_S = 120.0  # a phone loading the QNN libraries cold; seconds on x86
 _lock = threading.Lock()
 _probe: dict[str, Any] | None = None
 _qnn_devices: list[Any] | None = None
 
 
 def qnn_ep_devices() -> list[Any]:
-    """Register the QNN plugin EP once and return its OrtEpDevice list (raises if it cannot load)."""
+    """Register the QNN plugin EP in this process once and return its OrtEpDevice list (raises if it cannot load)."""
     global _qnn_devices
     with _lock:
         if _qnn_devices is None:
-            import onnxruntime as ort
-            import onnxruntime_qnn as oq
-
-            ort.register_execution_provider_library("QNNExecutionProvider", oq.get_library_path())
-            _qnn_devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
-        if not _qnn_devices:
-            raise RuntimeError("QNNExecutionProvider registered but reports no devices")
+            _qnn_devices = ep_probe.qnn_devices()
         return _qnn_devices
 
 
@@ -83,22 +81,17 @@ def qnn_target() -> tuple[str, str]:
 
 
 def _run_probe() -> dict[str, Any]:
-    avail: dict[str, str] = {"torch": "ok"}
+    """``ep_probe.probe()`` run in a child process (see there why), plus the QNN target where QNN loads."""
+    cmd = [sys.executable, "-P", ep_probe.__file__]  # -P: the script's folder (kernels/, with queue.py) not on sys.path
     try:
-        import onnxruntime  # noqa: F401
-
-        avail["ort-cpu"] = "ok"
-    except Exception as exc:  # any import failure means the backend is unusable
-        avail["ort-cpu"] = f"unavailable: {type(exc).__name__}: {exc}"
-    real_npu = False
-    try:
-        devs = qnn_ep_devices()
-        real_npu = any(str(d.device.type).endswith("NPU") for d in devs)
-        avail["qnn-htp"] = "ok" if real_npu else f"simulator ({platform.machine()})"
-    except Exception as exc:
-        avail["qnn-htp"] = f"unavailable: {type(exc).__name__}: {exc}"
-    soc, arch = ("", "") if avail["qnn-htp"].startswith("unavailable") else _soc()
-    return {"available": avail, "real_npu": real_npu, "soc_model": soc, "htp_arch": arch}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S, check=True)
+        found: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        tail = exc.stderr.strip()[-300:] if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else ""
+        why = f"unavailable: the provider probe process failed ({type(exc).__name__}: {exc}) {tail}".strip()
+        found = {"available": {"torch": "ok", "ort-cpu": why, "qnn-htp": why}, "real_npu": False}
+    soc, arch = ("", "") if found["available"]["qnn-htp"].startswith("unavailable") else _soc()
+    return {**found, "soc_model": soc, "htp_arch": arch}
 
 
 def detect_backend(override: str | None = None) -> BackendInfo:

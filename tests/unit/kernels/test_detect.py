@@ -58,3 +58,30 @@ def test_override_is_honoured_or_falls_back_with_reason() -> None:
 def test_unknown_override_rejected() -> None:
     with pytest.raises(ValueError, match="gpu"):
         detect_backend("gpu")
+
+
+def test_the_provider_probe_runs_in_its_own_process() -> None:
+    """Asking which backend to use loads neither onnxruntime nor the QNN libraries into the asking process (the
+    daemon trains on torch without them), yet reports what loads: the probe ran in a child (kernels/ep_probe.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from lorad.kernels import detect_backend; info = detect_backend(); "
+        "maps = open('/proc/self/maps').read(); "
+        "print(info.available['ort-cpu'], 'onnxruntime' in sys.modules, 'libonnxruntime' in maps)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[-1].split() == ["ok", "False", "False"], out.stdout + out.stderr[-2000:]
+
+
+def test_a_failing_probe_process_leaves_torch_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorad.kernels import detect
+
+    monkeypatch.setattr(detect, "_probe", None)
+    monkeypatch.setattr(detect.sys, "executable", "/bin/false")  # the child exits 1 without a word
+    info = detect_backend()
+    assert info.name == "torch"
+    for backend in ("ort-cpu", "qnn-htp"):
+        assert info.available[backend].startswith("unavailable: the provider probe process failed"), info.available
+    assert "probe process failed" in info.reason
