@@ -21,7 +21,7 @@ import sysconfig
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lorad.server.config import ALLOCATORS, ConfigError, serve_config
+from lorad.server.config import ConfigError, serve_config
 
 # Debian/Ubuntu package libtcmalloc-minimal4 (gperftools): no heap profiler, the fastest variant; then the full one.
 _LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -46,17 +46,15 @@ def find_tcmalloc(dirs: tuple[str, ...] | None = None) -> Path | None:
 def preload_env(setting: str, env: Mapping[str, str], *, lib: Path | None = None) -> dict[str, str] | None:
     """The environment to re-execute ``lorad serve`` with so that tcmalloc serves it, or None to go on as is.
 
-    None when ``setting`` is ``"system"``, when ``LD_PRELOAD`` already names a tcmalloc (as in the re-executed
-    process: it never re-executes twice), or (``"auto"``) when the C library is not glibc or no tcmalloc is
-    installed. ``lib`` overrides the search (tests). Which malloc then serves the process is
-    ``engine.models.heap.malloc_in_use``.
+    ``setting`` is a validated ``training.allocator``. None when it is ``"system"``, when ``LD_PRELOAD`` already
+    names a malloc (tcmalloc, as in the re-executed process, which so never re-executes again; or one the user chose,
+    such as jemalloc), or (``"auto"``) when the C library is not glibc or no tcmalloc is installed. ``lib`` overrides
+    the search (tests). Which malloc then serves the process is ``engine.models.heap.malloc_in_use``.
 
     Raises:
         AllocatorError: ``setting`` is ``"tcmalloc"`` and it cannot be loaded here.
     """
-    if setting not in ALLOCATORS:
-        raise AllocatorError(f"training.allocator={setting!r}: must be one of {', '.join(ALLOCATORS)}")
-    if setting == "system" or "tcmalloc" in env.get("LD_PRELOAD", ""):
+    if setting == "system" or "malloc" in env.get("LD_PRELOAD", ""):
         return None
     lib = lib or find_tcmalloc()
     glibc = platform.libc_ver()[0] == "glibc"

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest accepted mmap threshold on 64-bit
+_TCMALLOC_RELEASE = "MallocExtension_ReleaseFreeMemory"  # gperftools' C API: only tcmalloc defines it
 
 
 @functools.cache
@@ -27,7 +28,7 @@ def _libc(symbol: str, *, glibc_only: bool = False) -> Callable[..., int] | None
 def malloc_in_use() -> str:
     """``"tcmalloc"`` when gperftools' malloc serves this process (``lorad serve`` preloads it where the system has it:
     server/allocator.py), else ``"system"`` (the C library's)."""
-    return "tcmalloc" if _libc("MallocExtension_ReleaseFreeMemory") else "system"
+    return "tcmalloc" if _libc(_TCMALLOC_RELEASE) else "system"
 
 
 def keep_freed_heap() -> bool:
@@ -56,7 +57,7 @@ def release_free_heap() -> bool:
     every block and the loader once more at the end: Qwen2-0.5B's load peaked at 1.24 GB at bf16 and 1.38 GB at
     w8a8 (4.31 GB before the build stopped making full-size fp32 copies and trimming as it goes).
     """
-    release = _libc("MallocExtension_ReleaseFreeMemory")
+    release = _libc(_TCMALLOC_RELEASE)
     if release is not None:  # tcmalloc serves this process (malloc_in_use)
         release()
         return True
