@@ -81,7 +81,6 @@ print(kept, rss() - base)
 def test_release_gives_tcmallocs_free_spans_back() -> None:
     """Under tcmalloc (as `lorad serve` runs where it is installed) the freed buffers stay for reuse until
     release_free_heap (after a load, a plan, a job) hands them back to the OS."""
-    import os
     import subprocess
     import sys
 
