@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lorad.kernels.lora import LoRALinear, rows_fp32
-from lorad.kernels.rmsnorm import RMSNorm, rms_backward, rms_forward
+from lorad.kernels.rmsnorm import RMSNorm, rms_apply, rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear
 
 
@@ -155,7 +155,7 @@ def recompute_rows(norm: RMSNorm | None, saved: Sequence[Tensor], features: int)
     if norm is None:
         return saved[0]
     x, rstd = saved
-    return rows_fp32(x * rstd * norm[0], features)
+    return rows_fp32(rms_apply(x, rstd, norm[0]), features)
 
 
 def norm_input_grad(norm: RMSNorm | None, saved: Sequence[Tensor], dx2: Tensor, shape: torch.Size) -> Tensor:

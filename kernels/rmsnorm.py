@@ -11,10 +11,16 @@ RMSNorm = tuple[Tensor, float]  # (frozen weight, eps): what a node needs to nor
 
 
 def rms_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``(x * rstd * weight, rstd)`` over the last dim, with ``rstd = 1/sqrt(mean(x²) + eps)`` (one float per row).
-    The same ops on the same operands give the same bits, so ``x * rstd * weight`` recomputes the output exactly."""
+    """``(rms_apply(x, rstd, weight), rstd)`` over the last dim, with ``rstd = 1/sqrt(mean(x²) + eps)`` (one float
+    per row)."""
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * rstd * weight, rstd
+    return rms_apply(x, rstd, weight), rstd
+
+
+def rms_apply(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """The normed output from the input and its ``rstd``: the same ops on the same operands give the same bits, so a
+    backward that kept ``x`` and ``rstd`` recomputes the forward's output exactly with this."""
+    return x * rstd * weight
 
 
 def rms_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
