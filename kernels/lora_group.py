@@ -5,7 +5,8 @@ separate layers cost, per step and block, three ``[r, in]·[in, T]`` products wh
 same for ``dA`` and the LoRA part of ``dX``, and autograd sums three ``dX`` tensors of the shared input. With the
 MLP node (server/engine/models/mlp.py) a SmolLM2 step makes 1,070 instead of 1,427 GEMM calls (torch profiler) and
 has 150 fewer autograd nodes. The frozen products of all members are submitted before the CPU LoRA math starts, so
-on an NPU backend they queue back to back while the CPU works.
+on an NPU backend they queue back to back while the CPU works; torch bf16 members whose weights the builder stacked
+(``torch_backend.stack_bf16``) run one GEMM per direction instead.
 
 Only for members without dropout (or not training) and with one scaling; ``groupable`` says when. Given the RMSNorm
 before them, the q/k/v node (and the MLP node) normalise their input themselves and keep the norm's input instead of
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from lorad.kernels.lora import LoRALinear, rows_fp32
 from lorad.kernels.rmsnorm import RMSNorm, rms_apply, rms_backward, rms_forward
-from lorad.kernels.torch_backend import TorchFrozenLinear
+from lorad.kernels.torch_backend import TorchFrozenLinear, joint_bf16, joint_input_grad, widen_joint
 
 
 def groupable(members: Sequence[LoRALinear]) -> bool:
@@ -40,9 +41,22 @@ def groupable(members: Sequence[LoRALinear]) -> bool:
     return not any(m._forward_pre_hooks or m._forward_hooks for m in members)
 
 
-def submit_forward(members: Sequence[LoRALinear], x2: Tensor) -> list[Future[Tensor]]:
-    """Queue every member's frozen forward on ``x2`` [T, in] (fp32); returns their futures in member order."""
+def submit_forward(members: Sequence[LoRALinear], x2: Tensor) -> list[Future[Tensor]] | list[Tensor]:
+    """Queue every member's frozen forward on ``x2`` [T, in] (fp32); returns their futures in member order, or the
+    outputs themselves when the members' bf16 weights are stacked (one GEMM, ``torch_backend.joint_bf16``)."""
+    joint = _joint(members)
+    if joint is not None:
+        return widen_joint([m.frozen for m in members], _joint_product(joint, x2))
     return [m.queue.submit(m.frozen.forward, x2) for m in members]
+
+
+def _joint(members: Sequence[LoRALinear]) -> Tensor | None:
+    return joint_bf16([m.frozen for m in members])
+
+
+def _joint_product(joint: Tensor, x2: Tensor) -> Tensor:
+    """Every member's bf16 product side by side [T, Σout]: ``x2`` converted to bf16 once, one GEMM."""
+    return torch.mm(x2.to(torch.bfloat16), joint.t())
 
 
 def finish_forward(
@@ -67,8 +81,14 @@ def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple
     """``finish_forward``'s outputs and ``h``, plus per member what to save so that ``rebuild`` gives its output back.
 
     A member whose frozen product is a bf16 GEMM (torch at bf16) keeps that bf16 product, half the bytes of its fp32
-    output; any other member keeps the output itself.
+    output; any other member keeps the output itself. Members with stacked weights keep their joint product, one
+    tensor for all.
     """
+    joint = _joint(members)
+    if joint is not None:
+        prod = _joint_product(joint, x2)
+        ys, h = finish_forward(members, x2, widen_joint([m.frozen for m in members], prod))
+        return ys, h, [prod]
     frozen: list[Future[Tensor] | Tensor] = []
     prods: list[Tensor | None] = []
     for m in members:
@@ -87,6 +107,9 @@ def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple
 def rebuild(members: Sequence[LoRALinear], h: Tensor, kept: Sequence[Tensor]) -> list[Tensor]:
     """The outputs ``forward_keeping_products`` returned, bit for bit: the same ops on the same operands (the
     adapters do not change between a forward and its backward)."""
+    if _joint(members) is not None:
+        widened = widen_joint([m.frozen for m in members], kept[0])
+        return [_add_lora(m, y, h, o) for m, y, o in zip(members, widened, _offsets(members), strict=True)]
     out: list[Tensor] = []
     for m, k, o in zip(members, kept, _offsets(members), strict=True):
         g = _bf16_gemm(m)
@@ -119,7 +142,10 @@ def backward(
     one ``[T, Σr]·[Σr, in]`` LoRA term; dA comes from one ``[Σr, T]·[T, in]`` product.
     """
     s = members[0].scaling
-    futs = [m.queue.submit(m.frozen.input_grad, dy) for m, dy in zip(members, dys, strict=True)] if need_x else []
+    joint = _joint(members) if need_x else None
+    futs = []
+    if need_x and joint is None:
+        futs = [m.queue.submit(m.frozen.input_grad, dy) for m, dy in zip(members, dys, strict=True)]
     total_r = sum(m.rank for m in members)
     g = torch.empty(total_r, x2.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
     offsets = _offsets(members)
@@ -132,9 +158,12 @@ def backward(
     dx = None
     if need_x:
         a_cat = torch.cat([m.lora_A for m in members]).detach()
-        dx = futs[0].result()
-        for fut in futs[1:]:
-            dx.add_(fut.result())
+        if joint is not None:
+            dx = joint_input_grad(joint, dys)
+        else:
+            dx = futs[0].result()
+            for fut in futs[1:]:
+                dx.add_(fut.result())
         dx.addmm_(g.t(), a_cat, alpha=s)
     return dx, d_a, d_b
 

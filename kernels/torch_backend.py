@@ -5,6 +5,8 @@ Other precisions, and bf16/w8a8 on CPUs without bf16/int8 dot products, are emul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -85,6 +87,77 @@ class TorchFrozenLinear:
             return _int8_mm(dy * sw, wq)
         dy = _act(dy.float(), self.precision_bwd)
         return dy @ self._dense(self.precision_bwd)
+
+
+def stack_bf16(layers: Sequence[object]) -> bool:
+    """Moves the bf16 weights of layers that read one input (q/k/v; gate/up) into one [Σout, in] tensor, each
+    layer's weight a row block of it (a contiguous view, so its own calls are unchanged): ``joint_bf16`` then finds
+    them and one GEMM serves the group in each direction. The same bytes; True when the layers were stacked.
+
+    Only torch layers at bf16 in both directions with one ``in_features``; others are left alone.
+    """
+    if len(layers) < 2 or not all(_bf16_both_ways(f) for f in layers):
+        return False
+    fs = [f for f in layers if isinstance(f, TorchFrozenLinear)]
+    if len({f.in_features for f in fs}) != 1:
+        return False
+    joint = torch.cat([f._store["bf16"][0] for f in fs])
+    start = 0
+    for f in fs:
+        f._store["bf16"] = (joint[start : start + f.out_features], None)
+        start += f.out_features
+    return True
+
+
+def joint_bf16(layers: Sequence[object]) -> Tensor | None:
+    """The [Σout, in] bf16 weight whose consecutive row blocks are these layers' weights (``stack_bf16`` made it),
+    or None when they are not stacked (another backend or precision, a layer the planner rebuilt, another order).
+
+    ``x·Jᵀ`` is then every layer's bf16 product side by side, and ``[dy_1 … dy_n]·J`` the sum of their input
+    gradients: one GEMM a direction instead of one per layer, a single bf16 rounding of the summed dX instead of one
+    per layer, and the input converted to bf16 once. Per SmolLM2 layer (T = 256, 2 threads, AMX host, bf16 products
+    with conversions): q/k/v 0.40 -> 0.26 ms forward, 0.39 -> 0.29 ms input gradient; gate/up 0.79 -> 0.66 and
+    0.93 -> 0.77 ms.
+    """
+    if len(layers) < 2 or not all(_bf16_both_ways(f) for f in layers):
+        return None
+    ws = [f._store["bf16"][0] for f in layers if isinstance(f, TorchFrozenLinear)]
+    first, cols = ws[0], ws[0].shape[1]
+    ptr = first.data_ptr()
+    for w in ws:
+        if w.shape[1] != cols or not w.is_contiguous() or w.data_ptr() != ptr:
+            return None
+        ptr += w.numel() * w.element_size()
+    rows = sum(w.shape[0] for w in ws)
+    return first.as_strided((rows, cols), (cols, 1))
+
+
+def widen_joint(layers: Sequence[object], product: Tensor) -> list[Tensor]:
+    """Each layer's float32 output from the joint product ``x·Jᵀ`` [T, Σout]: widened once, as column blocks (views
+    of one tensor), each layer's bias added in fp32: the numbers ``widen`` gives each layer's own product."""
+    y = product.float()
+    out, start = [], 0
+    for f in layers:
+        assert isinstance(f, TorchFrozenLinear)
+        block = y[:, start : start + f.out_features]
+        out.append(block if f.bias is None else block.add_(f.bias))
+        start += f.out_features
+    return out
+
+
+def joint_input_grad(joint: Tensor, dys: Sequence[Tensor]) -> Tensor:
+    """``Σ dy_i·W_i`` [T, in] float32 as one bf16 GEMM: the output gradients side by side in bf16 (each converted
+    straight into its columns) times the stacked weight, fp32 accumulation, one bf16 rounding of the sum."""
+    d = torch.empty(dys[0].shape[0], joint.shape[0], dtype=torch.bfloat16)
+    start = 0
+    for dy in dys:
+        d[:, start : start + dy.shape[1]].copy_(dy)
+        start += dy.shape[1]
+    return torch.mm(d, joint).float()
+
+
+def _bf16_both_ways(f: object) -> bool:
+    return isinstance(f, TorchFrozenLinear) and f.precision_fwd == f.precision_bwd == "bf16"
 
 
 def _int8_mm(a: Tensor, b: Tensor) -> Tensor:

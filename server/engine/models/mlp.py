@@ -52,16 +52,17 @@ class _LoRASwiGLU(torch.autograd.Function):
         (gate, up), h_gu, kept = forward_keeping_products((gate_l, up_l), x2)
         act = F.silu(gate).mul_(up)
         (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act))
-        ctx.save_for_backward(*kept, h_gu, h_d, *saved)
-        ctx.layers, ctx.norm, ctx.in_shape = layers, norm, x.shape
+        ctx.save_for_backward(h_gu, h_d, *kept, *saved)
+        ctx.layers, ctx.norm, ctx.in_shape, ctx.kept = layers, norm, x.shape, len(kept)
         return out.reshape(*x.shape[:-1], down_l.out_features)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        kept_gate, kept_up, h_gu, h_d, *saved = ctx.saved_tensors
+        h_gu, h_d, *rest = ctx.saved_tensors
+        kept, saved = rest[: ctx.kept], rest[ctx.kept :]  # gate's and up's products (one when stacked); the norm's
         gate_l, up_l, down_l = ctx.layers
         x2 = recompute_rows(ctx.norm, saved, gate_l.in_features)
-        gate, up = rebuild((gate_l, up_l), h_gu, (kept_gate, kept_up))
+        gate, up = rebuild((gate_l, up_l), h_gu, kept)
         dout2 = rows_fp32(dout, down_l.out_features)
         sg = F.silu(gate)
         act = sg * up  # recomputed: cheaper than keeping [T, intermediate] fp32 per layer

@@ -14,7 +14,7 @@ from lorad.kernels import LoRALinear
 from lorad.kernels.capabilities import cpu_bf16
 from lorad.kernels.lora_group import groupable, shared_input_lora
 from lorad.kernels.rmsnorm import RMSNorm
-from lorad.kernels.torch_backend import TorchFrozenLinear
+from lorad.kernels.torch_backend import TorchFrozenLinear, stack_bf16
 from lorad.server.engine.models.attention import causal_attention_bf16
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
@@ -169,6 +169,13 @@ class Block(nn.Module):
         self.register_buffer("input_layernorm", in_norm, persistent=False)
         self.register_buffer("post_attention_layernorm", post_norm, persistent=False)
 
+    def stack_frozen(self) -> int:
+        """Stacks the bf16 weights of the projections that read one input, q/k/v and gate/up, so each group runs
+        one GEMM a direction (``torch_backend.stack_bf16``; the same bytes). Returns how many groups were stacked."""
+        a, m = self.self_attn, self.mlp
+        groups = ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj))
+        return sum(stack_bf16([lin.frozen for lin in g]) for g in groups)
+
     def forward(  # noqa: PLR0917 (hot path)
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int, adapter: Any
     ) -> Tensor:
@@ -220,6 +227,10 @@ class CausalLM(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope = (emb.cos(), emb.sin())
         return self._rope[0][start:need], self._rope[1][start:need]
+
+    def stack_frozen(self) -> int:
+        """``Block.stack_frozen`` for every block (after a plan re-lowered layers); returns the groups stacked."""
+        return sum(blk.stack_frozen() for blk in self.layers if isinstance(blk, Block))
 
     def hidden(self, input_ids: Tensor, cache: KVCache | None = None, adapter: Any = OWN) -> Tensor:
         """Final-norm hidden states [B, T, D] for input_ids [B, T] (appending to `cache` when given)."""

@@ -314,6 +314,7 @@ def plan_job(
     job = _persist(work_dir, plan, reused=False)
     rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
                          cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
+    loaded.model.stack_frozen()  # the rebuilt layers hold their own weights again
     release_free_heap()  # the reference copies and captured activations planning went through
     log.info("job_precision_planned", rebuilt=rebuilt, sha256=job.sha256[:16])
     return job

@@ -192,6 +192,7 @@ def run_recipe(
 
                     apply_plan(loaded.model, job_plan.plan, frozen_weights(loaded), backend=info.name,
                                cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
+                    loaded.model.stack_frozen()
                 elif defer_planning:
                     unplanned = capability(info.name).unplanned()
             if unplanned is not None and unplanned != precision:

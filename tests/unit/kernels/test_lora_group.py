@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lorad.kernels import LoRALinear, make_frozen_linear
+from lorad.kernels.lora_group import backward as lora_group_backward
 from lorad.kernels.lora_group import (
     finish_forward,
     forward_keeping_products,
@@ -159,3 +161,59 @@ def test_not_groupable_with_dropout_hooks_or_rank_zero() -> None:
     h.remove()
     zero = LoRALinear(make_frozen_linear(torch.randn(8, 16), None, backend="torch"), rank=0, alpha=1.0)
     assert not groupable([a, zero])
+
+
+def test_stacked_bf16_members_run_one_gemm_a_direction_from_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v-shaped members at bf16, stacked (torch_backend.stack_bf16): their weights become row blocks of one
+    tensor (no byte more), the node multiplies that once a direction, and it agrees with the per-layer products
+    within bf16 rounding; the forward outputs rebuild bit for bit; a member the planner rebuilt ends the stacking."""
+    from lorad.kernels import torch_backend as tb
+
+    members = _layers([(12, 16), (4, 16), (4, 16)], precision="bf16")
+    frozen = [m.frozen for m in members]
+    before = [f._store["bf16"][0].clone() for f in frozen]
+    nbytes = sum(f.nbytes for f in frozen)
+    assert tb.joint_bf16(frozen) is None
+    gen = torch.Generator().manual_seed(7)
+    x2 = torch.randn(9, 16, generator=gen)
+    dys = [torch.randn(9, m.out_features, generator=gen) for m in members]
+    h_sep = finish_forward(members, x2, submit_forward(members, x2))[1]
+    ys_sep = finish_forward(members, x2, submit_forward(members, x2))[0]
+    dx_sep = lora_group_backward(members, x2, h_sep, dys, need_x=True)
+
+    assert tb.stack_bf16(frozen)
+    joint = tb.joint_bf16(frozen)
+    assert joint is not None and joint.shape == (20, 16)
+    assert sum(f.nbytes for f in frozen) == nbytes
+    for f, w in zip(frozen, before, strict=True):
+        assert torch.equal(f._store["bf16"][0], w)
+        assert f._store["bf16"][0].untyped_storage().data_ptr() == joint.untyped_storage().data_ptr()
+
+    calls: list[tuple[int, ...]] = []
+    real_mm = torch.mm
+
+    def mm(a: torch.Tensor, b: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
+        if a.dtype == torch.bfloat16:
+            calls.append(tuple(b.shape))
+        return real_mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    ys, h, kept = forward_keeping_products(members, x2)
+    dx = lora_group_backward(members, x2, h, dys, need_x=True)
+    monkeypatch.undo()
+    assert calls == [(16, 20), (20, 16)]  # one GEMM forward, one for the summed input gradient
+    assert len(kept) == 1 and kept[0].dtype == torch.bfloat16 and kept[0].shape == (9, 20)
+    assert torch.equal(h, h_sep)
+    for y, y_sep, y_again in zip(ys, ys_sep, rebuild(members, h, kept), strict=True):
+        torch.testing.assert_close(y, y_sep, rtol=1e-2, atol=1e-2)
+        assert torch.equal(y_again, y)
+    assert dx[0] is not None and dx_sep[0] is not None
+    torch.testing.assert_close(dx[0], dx_sep[0], rtol=2e-2, atol=2e-2)
+    for a, b in zip(dx[1] + dx[2], dx_sep[1] + dx_sep[2], strict=True):  # dA, dB: fp32 LoRA math, unchanged
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    members[1].frozen = make_frozen_linear(before[1].float(), None, backend="torch", precision="bf16")
+    assert tb.joint_bf16([m.frozen for m in members]) is None  # the planner's swap: per layer again, same numbers
+    ys_back = finish_forward(members, x2, submit_forward(members, x2))[0]
+    for y, y_sep in zip(ys_back, ys_sep, strict=True):
+        assert torch.equal(y, y_sep)

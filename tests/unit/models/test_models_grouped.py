@@ -19,13 +19,18 @@ def test_grouped_nodes_give_the_layer_by_layer_gradients(
     hf_dirs: dict[str, Path], arch: str, precision: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = hf_dirs[arch]
-    model = build_model(read_config(path), read_weights(path), backend="torch", precision=precision,
-                        lora=LoraConfig(rank=4, alpha=8))  # fmt: skip
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(std=0.05, generator=g)  # B starts at zero: make every LoRA path carry gradient
-    ids = torch.randint(0, model.cfg.vocab_size, (1, 24), generator=g)
+
+    def build(precision: str) -> model_mod.CausalLM:
+        model = build_model(read_config(path), read_weights(path), backend="torch", precision=precision,
+                            lora=LoraConfig(rank=4, alpha=8))  # fmt: skip
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(std=0.05, generator=g)  # B starts at zero: make every LoRA path carry gradient
+        return model
+
+    model = build(precision)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
     calls = {"group": 0, "mlp": 0}
     real_group, real_mlp = model_mod.shared_input_lora, model_mod.lora_swiglu
 
@@ -51,5 +56,19 @@ def test_grouped_nodes_give_the_layer_by_layer_gradients(
     monkeypatch.setattr(model_mod, "fusable", lambda *_m: False)
     loss_s, separate = run()
     torch.testing.assert_close(loss_g, loss_s, rtol=1e-5, atol=1e-6)  # the forward is the same math
-    rel = float((grouped - separate).norm() / separate.norm())
-    assert rel < 1e-5, rel  # the same math; only fp32 summation order differs
+    if precision == "fp32":
+        rel = float((grouped - separate).norm() / separate.norm())
+        assert rel < 1e-5, rel  # the same math; only fp32 summation order differs
+        return
+    # At bf16 the grouped nodes multiply stacked weights (torch_backend.joint_bf16): q/k/v's (and gate/up's) input
+    # gradients are summed inside one GEMM and rounded to bf16 once instead of once per layer. Both are as close to
+    # the fp32 model's gradients (measured: 4.5e-3 to 8.8e-3 relative, either way).
+    model, monkeypatch_undo = build("fp32"), monkeypatch.undo
+    monkeypatch_undo()
+    _, exact = run()
+
+    def err(g: torch.Tensor) -> float:
+        return float((g - exact).norm() / exact.norm())
+
+    assert err(grouped) < 2e-2, err(grouped)
+    assert err(grouped) < 1.25 * err(separate), (err(grouped), err(separate))
