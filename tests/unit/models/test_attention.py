@@ -66,3 +66,25 @@ def test_bf16_softmax_equals_widening_first() -> None:
     s = (torch.randn(2, 3, 64, 64, generator=g) * 4).to(torch.bfloat16)
     s.masked_fill_(torch.ones(64, 64, dtype=torch.bool).triu_(1), float("-inf"))
     assert torch.equal(torch.softmax(s, dim=-1), torch.softmax(s.float(), dim=-1).to(torch.bfloat16))
+
+
+def test_the_cached_additive_mask_and_the_in_place_mask_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short sequences add a cached causal bias inside the score GEMM; long ones (above the cache bound) mask the
+    scores in place. Both are the same numbers."""
+    from lorad.server.engine.models import attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 24, 16, generator=g) for n in (6, 2, 2))
+    dout = torch.randn(1, 24, 6 * 16, generator=g).to(torch.bfloat16)
+
+    def run() -> list[torch.Tensor]:
+        qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+        out = causal_attention_bf16(qs, ks, vs)
+        return [out, *torch.autograd.grad(out, (qs, ks, vs), dout)]
+
+    assert attention._causal_bias(24, 3) is not None
+    cached = run()
+    monkeypatch.setattr(attention, "_BIAS_MAX_ELEMENTS", 3 * 24 * 24 - 1)
+    assert attention._causal_bias(24, 3) is None
+    for a, b in zip(cached, run(), strict=True):
+        assert torch.equal(a, b)
