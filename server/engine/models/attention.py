@@ -34,6 +34,12 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
     return x.to(_BF16).contiguous().view(b, kv_heads, (h // kv_heads) * t, d)
 
 
+def _as_input(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bf16 product's gradient in its input's dtype: kept bf16 for bf16 q/k (rope_bf16's; scaled by 1/sqrt(D) in
+    bf16, exact for D = 64), widened for fp32 ones (autograd would round an fp32 gradient of a bf16 input anyway)."""
+    return grad if dtype == _BF16 else grad.float()
+
+
 # The additive causal mask is cached (per sequence length and query heads per KV head) up to this many elements: 3 x
 # 256 x 256 (393 kB) for SmolLM2 at 256 tokens; longer sequences mask in place instead of holding g·T² bf16.
 _BIAS_MAX_ELEMENTS = 1 << 22
@@ -71,7 +77,7 @@ class _CausalAttention(torch.autograd.Function):
         # [B, KV, gT, D] -> the [B, T, H*D] rows o_proj multiplies, still bf16 (one copy of half the bytes)
         out = torch.matmul(p, vb).view(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
         ctx.save_for_backward(qg, kb, vb, p)
-        ctx.scale = scale
+        ctx.scale, ctx.q_dtype, ctx.k_dtype = scale, q.dtype, k.dtype
         return out
 
     @staticmethod
@@ -87,8 +93,8 @@ class _CausalAttention(torch.autograd.Function):
         # dS rounded to bf16 once (it feeds bf16 GEMMs next); masked entries have P = 0 and get 0. 0.07 ms a SmolLM2
         # layer against 0.26 for rowsum(dO * O) in fp32 and two bf16 passes over [gT, T] (AMX Xeon, 2 threads).
         ds = torch._softmax_backward_data(dp, p, -1, _BF16)
-        dq = torch.matmul(ds, kb).float().mul_(ctx.scale).view(b, h, t, d)
-        dk = torch.matmul(ds.transpose(-1, -2), qg).float().mul_(ctx.scale)
+        dq = _as_input(torch.matmul(ds, kb), ctx.q_dtype).mul_(ctx.scale).view(b, h, t, d)
+        dk = _as_input(torch.matmul(ds.transpose(-1, -2), qg), ctx.k_dtype).mul_(ctx.scale)
         return dq, dk, dv
 
 

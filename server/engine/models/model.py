@@ -18,7 +18,14 @@ from lorad.kernels.torch_backend import TorchFrozenLinear, stack_bf16
 from lorad.server.engine.models.attention import causal_attention_bf16
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
-from lorad.server.engine.models.layers import apply_rope, linear_cross_entropy, rms_norm, rope_inv_freq, swiglu
+from lorad.server.engine.models.layers import (
+    apply_rope,
+    linear_cross_entropy,
+    rms_norm,
+    rope_bf16,
+    rope_inv_freq,
+    swiglu,
+)
 from lorad.server.engine.models.mlp import fusable, lora_swiglu
 
 
@@ -119,15 +126,17 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm, cfg.rms_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_eps)
+        if cache is None and t > 1 and torch.is_grad_enabled() and self._bf16_attention():
+            # training: q and k rotated straight into bf16 [B, H, T, hd]; bf16 GEMMs, fp32 softmax, bf16 [B, T, H*D]
+            # rows out (eval and generation: below)
+            qb, kb = rope_bf16(q, cos, sin), rope_bf16(k, cos, sin)
+            return self.o_proj(causal_attention_bf16(qb, kb, v.transpose(1, 2)), adapter)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = 0
         if cache is not None:
             past = cache.length
             k, v = cache.update(layer, k, v)
-        if past == 0 and t > 1 and torch.is_grad_enabled() and self._bf16_attention():
-            # training: bf16 GEMMs, fp32 softmax, bf16 [B, T, H*D] rows out (eval and generation: below)
-            return self.o_proj(causal_attention_bf16(q, k, v), adapter)
         if past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
         elif t == 1:  # one new token attends to everything cached

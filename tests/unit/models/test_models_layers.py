@@ -78,3 +78,28 @@ def test_linear_cross_entropy_pads_a_short_last_chunk_to_a_multiple_of_16_rows()
     (gr,) = torch.autograd.grad(ref, h)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gh, gr, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_bf16_is_apply_rope_rounded_once_and_its_gradient_is_apply_ropes() -> None:
+    """The training attention's fused RoPE: the rotation of x [B, T, H, D] as bf16 [B, H, T, D] equals apply_rope's
+    fp32 result rounded once (up to one bf16 step where an FMA rounds differently), and its input gradient equals
+    autograd's through apply_rope, in the [B, T, H, D] layout, contiguous."""
+    from lorad.server.engine.models.layers import apply_rope, rope_bf16
+
+    gen = torch.Generator().manual_seed(11)
+    t, d = 13, 16
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(t).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    x = torch.randn(2, t, 3, d, generator=gen, requires_grad=True)
+    g = torch.randn(2, 3, t, d, generator=gen).to(torch.bfloat16)
+
+    ref = apply_rope(x.transpose(1, 2), cos, sin)
+    (ref_grad,) = torch.autograd.grad(ref, x, g.float())
+    out = rope_bf16(x, cos, sin)
+    (grad,) = torch.autograd.grad(out, x, g)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, t, d) and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref.detach().to(torch.bfloat16).float(), rtol=8e-3, atol=1e-6)
+    assert grad.dtype == torch.float32 and grad.shape == x.shape and grad.is_contiguous()
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
