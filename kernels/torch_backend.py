@@ -73,6 +73,10 @@ class TorchFrozenLinear:
         and rebuild the output bit for bit later."""
         return torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t())
 
+    def input_grad_bf16(self, dy: Tensor) -> Tensor:
+        """``input_grad`` of an output gradient already in bf16 (only at backward precision bf16): float32 [T, in]."""
+        return torch.mm(dy, self._store["bf16"][0]).float()
+
     def widen(self, product: Tensor) -> Tensor:
         """The float32 output from ``bf16_product``'s result: widened once, the bias added in fp32."""
         y = product.float()
@@ -80,7 +84,7 @@ class TorchFrozenLinear:
 
     def input_grad(self, dy: Tensor) -> Tensor:
         if self.precision_bwd == "bf16":
-            return torch.mm(dy.to(torch.bfloat16), self._store["bf16"][0]).float()
+            return self.input_grad_bf16(dy.to(torch.bfloat16))
         if self.precision_bwd == "w8a8":
             wq, sw = self._store["w8a8"]
             assert sw is not None

@@ -221,7 +221,7 @@ class CausalLM(nn.Module):
         self._rope: tuple[Tensor, Tensor] = (torch.empty(0), torch.empty(0))
         # Tokens per logits chunk in the loss: chunk x V x 4 B of fp32 scratch plus its bf16 copies. 64 instead of 256
         # cut SmolLM2's peak RSS by 70-80 MB (1185/1165 -> 1102/1106 MB) at the same step time (paired interleaved
-        # steps: 0.98x, inside the noise).
+        # steps: 0.98x, inside the noise). A torch bf16 head blocks its rows its own way (layers._BF16_HEAD_ROWS).
         self.loss_chunk = 64
         # torch intra-op threads while this model trains/evaluates (0 = leave torch's setting alone). build_model
         # sets 1 on ort-cpu, whose own intra-op pool runs the frozen products: a second 2-thread OpenMP pool for

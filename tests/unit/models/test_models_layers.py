@@ -103,3 +103,32 @@ def test_rope_bf16_is_apply_rope_rounded_once_and_its_gradient_is_apply_ropes() 
     torch.testing.assert_close(out.float(), ref.detach().to(torch.bfloat16).float(), rtol=8e-3, atol=1e-6)
     assert grad.dtype == torch.float32 and grad.shape == x.shape and grad.is_contiguous()
     torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bf16_head_multiplies_each_block_once_with_the_chunked_losss_numbers() -> None:
+    """A torch bf16 lm_head runs one GEMM per direction for up to 256 labelled rows (the weight streamed twice per
+    block, not per 64-row chunk) and keeps the block's bf16 logits for the gradient; loss and gradient equal the
+    chunk-by-chunk path through the same layer."""
+    from lorad.kernels import make_frozen_linear
+
+    gen = torch.Generator().manual_seed(12)
+    head = make_frozen_linear(torch.randn(300, 32, generator=gen), None, backend="torch", precision="bf16")
+    h = torch.randn(120, 32, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 300, (120,), generator=gen)
+    labels[:8] = -100  # 112 labelled rows: one block (softmax over 16 rows at a time); 64 + 48 chunk by chunk
+
+    class _Opaque:  # the same layer behind an object the loss cannot see through: the chunk-by-chunk path
+        in_features, out_features = 32, 300
+        forward, input_grad = head.forward, head.input_grad
+
+    rows: list[int] = []
+    real = head.bf16_product
+    head.bf16_product = lambda x: rows.append(x.shape[0]) or real(x)  # type: ignore[method-assign]
+    loss = linear_cross_entropy(h, labels, head, chunk=64)
+    (gh,) = torch.autograd.grad(loss, h)
+    assert rows == [112]
+    loss_ref = linear_cross_entropy(h, labels, _Opaque(), chunk=64)  # type: ignore[arg-type]
+    (gr,) = torch.autograd.grad(loss_ref, h)
+    assert rows == [112, 64, 48]
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh, gr, rtol=1e-6, atol=1e-7)
