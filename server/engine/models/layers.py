@@ -161,7 +161,11 @@ _ROW_MULTIPLE = 16
 # interleaved SmolLM2 steps: median -13.5 and -16.1 ms (16 pairs each). 16-row softmax chunks keep the peak where
 # 64-row chunks of fp32 logits had it (861 vs 856 MB under tcmalloc; 64-row chunks beside the block: 889-892 MB), at
 # the same step time.
+# The block's rows are padded to a multiple of 64, so a step allocates one of four logits sizes: padded to 16, the
+# size changed with nearly every step's labelled-token count and tcmalloc's spans of the old sizes stayed behind (peak
+# 900 vs 862 MB, 12-step bench runs at fixed bf16).
 _BF16_HEAD_ROWS = 256
+_BF16_HEAD_ROW_MULTIPLE = 64
 _BF16_SOFTMAX_ROWS = 16
 
 
@@ -173,11 +177,11 @@ def _bf16_head(head: FrozenMatmul) -> TorchFrozenLinear | None:
     return None
 
 
-def _padded(hc: Tensor, block: int) -> Tensor:
+def _padded(hc: Tensor, block: int, multiple: int = _ROW_MULTIPLE) -> Tensor:
     """``hc`` with zero rows appended up to a multiple of ``_ROW_MULTIPLE`` rows (at most ``block``), contiguous; the
     padding rows are never read."""
     rows = hc.shape[0]
-    padded = min(block, -(-rows // _ROW_MULTIPLE) * _ROW_MULTIPLE)
+    padded = min(block, -(-rows // multiple) * multiple)
     if padded != rows:
         hc = torch.cat([hc, hc.new_zeros(padded - rows, hc.shape[1])])
     return hc.contiguous()
@@ -222,7 +226,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], block):
             hc, lb = h[s : s + block], labels[s : s + block]
             rows = hc.shape[0]
-            hp = _padded(hc, block)
+            hp = _padded(hc, block, _ROW_MULTIPLE if bf16 is None else _BF16_HEAD_ROW_MULTIPLE)
             if bf16 is None:
                 full = head.forward(hp)  # [padded, V] fp32; the padding rows are never read
                 total = total + _softmax_loss_rows(full[:rows], lb, denom if dh is not None else None)
