@@ -98,10 +98,13 @@ def stack_bf16(layers: Sequence[object]) -> bool:
     layer's weight a row block of it (a contiguous view, so its own calls are unchanged): ``joint_bf16`` then finds
     them and one GEMM serves the group in each direction. The same bytes; True when the layers were stacked.
 
-    Only torch layers at bf16 in both directions with one ``in_features``; others are left alone.
+    Only torch layers at bf16 in both directions with one ``in_features``; others are left alone, and layers already
+    stacked stay as they are (True).
     """
     if len(layers) < 2 or not all(_bf16_both_ways(f) for f in layers):
         return False
+    if joint_bf16(layers) is not None:
+        return True
     fs = [f for f in layers if isinstance(f, TorchFrozenLinear)]
     if len({f.in_features for f in fs}) != 1:
         return False

@@ -178,8 +178,8 @@ def _bf16_head(head: FrozenMatmul) -> TorchFrozenLinear | None:
 
 
 def _padded(hc: Tensor, block: int, multiple: int = _ROW_MULTIPLE) -> Tensor:
-    """``hc`` with zero rows appended up to a multiple of ``_ROW_MULTIPLE`` rows (at most ``block``), contiguous; the
-    padding rows are never read."""
+    """``hc`` with zero rows appended up to a multiple of ``multiple`` rows (at most ``block``), contiguous; the padding
+    rows are never read."""
     rows = hc.shape[0]
     padded = min(block, -(-rows // multiple) * multiple)
     if padded != rows:

@@ -217,3 +217,17 @@ def test_stacked_bf16_members_run_one_gemm_a_direction_from_the_same_bytes(monke
     ys_back = finish_forward(members, x2, submit_forward(members, x2))[0]
     for y, y_sep in zip(ys_back, ys_sep, strict=True):
         assert torch.equal(y, y_sep)
+
+
+def test_stacking_stacked_layers_again_copies_nothing() -> None:
+    """After a plan is applied the builder's stacking runs again: groups it stacked before keep their tensor."""
+    from lorad.kernels import torch_backend as tb
+
+    frozen = [m.frozen for m in _layers([(12, 16), (4, 16)], precision="bf16")]
+    assert tb.stack_bf16(frozen)
+    joint = tb.joint_bf16(frozen)
+    assert joint is not None
+    assert tb.stack_bf16(frozen)
+    again = tb.joint_bf16(frozen)
+    assert again is not None and again.data_ptr() == joint.data_ptr()
+    assert not tb.stack_bf16([m.frozen for m in _layers([(12, 16), (4, 16)])])  # fp32: left alone
