@@ -130,9 +130,11 @@ def joint_bf16(layers: Sequence[object]) -> Tensor | None:
         return None
     ws = [f._store["bf16"][0] for f in layers if isinstance(f, TorchFrozenLinear)]
     first, cols = ws[0], ws[0].shape[1]
-    ptr = first.data_ptr()
-    for w in ws:
+    base, ptr = first.untyped_storage().data_ptr(), first.data_ptr()
+    for w in ws:  # one storage (separate allocations can lie back to back), each block right after the one before
         if w.shape[1] != cols or not w.is_contiguous() or w.data_ptr() != ptr:
+            return None
+        if w.untyped_storage().data_ptr() != base:
             return None
         ptr += w.numel() * w.element_size()
     rows = sum(w.shape[0] for w in ws)

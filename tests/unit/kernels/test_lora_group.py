@@ -231,3 +231,25 @@ def test_stacking_stacked_layers_again_copies_nothing() -> None:
     again = tb.joint_bf16(frozen)
     assert again is not None and again.data_ptr() == joint.data_ptr()
     assert not tb.stack_bf16([m.frozen for m in _layers([(12, 16), (4, 16)])])  # fp32: left alone
+
+
+def test_separate_weights_that_happen_to_lie_back_to_back_are_not_taken_for_stacked() -> None:
+    """Two allocations can be adjacent in memory (tcmalloc hands out neighbouring spans): only row blocks of one
+    storage are a joint weight; stacking such layers copies them into one."""
+    from lorad.kernels import torch_backend as tb
+
+    frozen = [m.frozen for m in _layers([(12, 16), (4, 16)], precision="bf16")]
+    raw = bytearray(16 * 16 * 2)
+    ws = [f._store["bf16"][0].clone() for f in frozen]
+    start = 0
+    for f, w in zip(frozen, ws, strict=True):  # each weight in its own storage object over adjacent bytes
+        n = w.numel() * 2
+        t = torch.frombuffer(memoryview(raw)[start : start + n], dtype=torch.bfloat16).view(w.shape)
+        t.copy_(w)
+        f._store["bf16"] = (t, None)
+        start += n
+    assert frozen[0]._store["bf16"][0].data_ptr() + 12 * 16 * 2 == frozen[1]._store["bf16"][0].data_ptr()
+    assert tb.joint_bf16(frozen) is None
+    assert tb.stack_bf16(frozen)
+    joint = tb.joint_bf16(frozen)
+    assert joint is not None and torch.equal(joint, torch.cat(ws))
