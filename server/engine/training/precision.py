@@ -175,6 +175,17 @@ def frozen_weights(loaded: Any) -> Weights:
     return out
 
 
+def relower(loaded: Any, plan: Any, weights: Weights, *, backend: str, cache_root: Path) -> int:
+    """Re-lowers a loaded model in place to ``plan`` (``apply_plan``) and stacks the bf16 weights of the layer groups
+    again (the rebuilt layers hold their own; ``CausalLM.stack_frozen``). Returns how many layers were rebuilt."""
+    from lorad.kernels import apply_plan
+
+    rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
+                         cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
+    loaded.model.stack_frozen()
+    return rebuilt
+
+
 def calibration_loss(model: Any, tokenizer: Any, seq_len: int) -> Any:
     """Loss closure on one sequence of CALIBRATION_TEXT tokens (repeated to fill the bucket), every token labelled."""
     ids = tokenizer.encode(CALIBRATION_TEXT)
@@ -306,15 +317,12 @@ def plan_job(
         cache_root: lorad cache: plans and cost tables under `plans/`, backend artifacts under `backend/`.
         on_progress: called with the fraction of planning done (0..1).
     """
-    from lorad.kernels import apply_plan
     from lorad.server.engine.models.heap import release_free_heap
 
     weights = frozen_weights(loaded)
     plan = measure_plan(loaded, cfg, backend=backend, cache_root=cache_root, on_progress=on_progress, weights=weights)
     job = _persist(work_dir, plan, reused=False)
-    rebuilt = apply_plan(loaded.model, plan, weights, backend=backend,
-                         cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
-    loaded.model.stack_frozen()  # the rebuilt layers hold their own weights again
+    rebuilt = relower(loaded, plan, weights, backend=backend, cache_root=cache_root)
     release_free_heap()  # the reference copies and captured activations planning went through
     log.info("job_precision_planned", rebuilt=rebuilt, sha256=job.sha256[:16])
     return job

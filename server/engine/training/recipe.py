@@ -30,6 +30,7 @@ from lorad.server.engine.training.precision import (
     plans_here,
     provisional,
     quiet_now,
+    relower,
     unplanned_precision,
 )
 from lorad.server.engine.training.trainer import CheckpointCallback, PhaseCallback, Progress, Trainer
@@ -188,11 +189,7 @@ def run_recipe(
                 job_plan = known_plan(loaded.model_hash, cfg, resuming=last is not None,
                                       keep_provisional=defer_planning, **plan_args)  # fmt: skip
                 if job_plan is not None:
-                    from lorad.kernels import apply_plan
-
-                    apply_plan(loaded.model, job_plan.plan, frozen_weights(loaded), backend=info.name,
-                               cache_dir=cache_root / "backend", model_hash=loaded.model_hash)  # fmt: skip
-                    loaded.model.stack_frozen()
+                    relower(loaded, job_plan.plan, frozen_weights(loaded), backend=info.name, cache_root=cache_root)
                 elif defer_planning:
                     unplanned = capability(info.name).unplanned()
             if unplanned is not None and unplanned != precision:
