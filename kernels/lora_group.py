@@ -41,22 +41,39 @@ def groupable(members: Sequence[LoRALinear]) -> bool:
     return not any(m._forward_pre_hooks or m._forward_hooks for m in members)
 
 
-def submit_forward(members: Sequence[LoRALinear], x2: Tensor) -> list[Future[Tensor]] | list[Tensor]:
+def submit_forward(
+    members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | None = None
+) -> list[Future[Tensor]] | list[Tensor]:
     """Queue every member's frozen forward on ``x2`` [T, in] (fp32); returns their futures in member order, or the
-    outputs themselves when the members' bf16 weights are stacked (one GEMM, ``torch_backend.joint_bf16``)."""
+    outputs themselves when the members' bf16 weights are stacked (one GEMM, ``torch_backend.joint_bf16``) or are
+    bf16 GEMMs given the rows in bf16 (``x2_bf16``: the same rows rounded, as the fused norm and SwiGLU write them)."""
     joint = _joint(members)
     if joint is not None:
-        return widen_joint([m.frozen for m in members], _joint_product(joint, x2))
+        return widen_joint([m.frozen for m in members], _joint_product(joint, x2, x2_bf16))
+    gemms = [_bf16_gemm(m) for m in members]
+    if x2_bf16 is not None and all(g is not None for g in gemms):
+        return [g.widen(g.bf16_product(x2_bf16)) for g in gemms if g is not None]
     return [m.queue.submit(m.frozen.forward, x2) for m in members]
+
+
+def takes_bf16_rows(members: Sequence[LoRALinear]) -> bool:
+    """Whether these members' frozen forward multiplies bf16 rows (stacked, or each a torch bf16 GEMM): then whatever
+    produces their input can write the bf16 copy in its own pass (``submit_forward``'s ``x2_bf16``)."""
+    return stacked(members) or all(_bf16_gemm(m) is not None for m in members)
+
+
+def stacked(members: Sequence[LoRALinear]) -> bool:
+    """Whether the members' bf16 weights are stacked (one GEMM a direction; ``torch_backend.stack_bf16``)."""
+    return _joint(members) is not None
 
 
 def _joint(members: Sequence[LoRALinear]) -> Tensor | None:
     return joint_bf16([m.frozen for m in members])
 
 
-def _joint_product(joint: Tensor, x2: Tensor) -> Tensor:
-    """Every member's bf16 product side by side [T, Σout]: ``x2`` converted to bf16 once, one GEMM."""
-    return torch.mm(x2.to(torch.bfloat16), joint.t())
+def _joint_product(joint: Tensor, x2: Tensor, x2_bf16: Tensor | None = None) -> Tensor:
+    """Every member's bf16 product side by side [T, Σout]: ``x2`` converted to bf16 once (or given so), one GEMM."""
+    return torch.mm(x2.to(torch.bfloat16) if x2_bf16 is None else x2_bf16, joint.t())
 
 
 def finish_forward(
@@ -77,8 +94,11 @@ def finish_forward(
     return ys, h
 
 
-def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple[list[Tensor], Tensor, list[Tensor]]:
-    """``finish_forward``'s outputs and ``h``, plus per member what to save so that ``rebuild`` gives its output back.
+def forward_keeping_products(
+    members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | None = None
+) -> tuple[list[Tensor], Tensor, list[Tensor]]:
+    """``finish_forward``'s outputs and ``h``, plus per member what to save so that ``rebuild`` gives its output back
+    (``x2_bf16``: the rows already in bf16, as in ``submit_forward``).
 
     A member whose frozen product is a bf16 GEMM (torch at bf16) keeps that bf16 product, half the bytes of its fp32
     output; any other member keeps the output itself. Members with stacked weights keep their joint product, one
@@ -86,7 +106,7 @@ def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple
     """
     joint = _joint(members)
     if joint is not None:
-        prod = _joint_product(joint, x2)
+        prod = _joint_product(joint, x2, x2_bf16)
         ys, h = finish_forward(members, x2, widen_joint([m.frozen for m in members], prod))
         return ys, h, [prod]
     frozen: list[Future[Tensor] | Tensor] = []
@@ -97,7 +117,7 @@ def forward_keeping_products(members: Sequence[LoRALinear], x2: Tensor) -> tuple
             frozen.append(m.queue.submit(m.frozen.forward, x2))
             prods.append(None)
         else:
-            prod = g.bf16_product(x2)
+            prod = g.bf16_product(x2 if x2_bf16 is None else x2_bf16)
             frozen.append(g.widen(prod))
             prods.append(prod)
     ys, h = finish_forward(members, x2, frozen)
@@ -134,18 +154,27 @@ def _add_lora(m: LoRALinear, y: Tensor, h: Tensor, o: int) -> Tensor:
 
 
 def backward(
-    members: Sequence[LoRALinear], x2: Tensor, h: Tensor, dys: Sequence[Tensor], *, need_x: bool
+    members: Sequence[LoRALinear],
+    x2: Tensor,
+    h: Tensor,
+    dys: Sequence[Tensor],
+    *,
+    need_x: bool,
+    dys_bf16: Tensor | None = None,
 ) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
-    """(dX [T, in] or None, [dA_i], [dB_i]) for output gradients ``dys`` [T, out_i] (fp32, contiguous).
+    """(dX [T, in] or None, [dA_i], [dB_i]) for output gradients ``dys`` [T, out_i] (fp32, contiguous columns).
 
     dX sums every member's frozen input gradient (queued first, so an NPU computes while the CPU does the rest) and
-    one ``[T, Σr]·[Σr, in]`` LoRA term; dA comes from one ``[Σr, T]·[T, in]`` product.
+    one ``[T, Σr]·[Σr, in]`` LoRA term; dA comes from one ``[Σr, T]·[T, in]`` product. ``dys_bf16``, the output
+    gradients already side by side in bf16 [T, Σout] (the fused SwiGLU backward writes them), is what the stacked
+    members' input-gradient GEMM then takes as it is.
     """
     s = members[0].scaling
     joint = _joint(members) if need_x else None
     futs = []
     if need_x and joint is None:
-        futs = [m.queue.submit(m.frozen.input_grad, dy) for m, dy in zip(members, dys, strict=True)]
+        # contiguous for backends that hand the rows to a runtime (column blocks of [d_gate | d_up] are not)
+        futs = [m.queue.submit(m.frozen.input_grad, dy.contiguous()) for m, dy in zip(members, dys, strict=True)]
     total_r = sum(m.rank for m in members)
     g = torch.empty(total_r, x2.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
     offsets = _offsets(members)
@@ -159,7 +188,7 @@ def backward(
     if need_x:
         a_cat = torch.cat([m.lora_A for m in members]).detach()
         if joint is not None:
-            dx = joint_input_grad(joint, dys)
+            dx = joint_input_grad(joint, dys, packed=dys_bf16)
         else:
             dx = futs[0].result()
             for fut in futs[1:]:
@@ -168,15 +197,18 @@ def backward(
     return dx, d_a, d_b
 
 
-def normed_rows(x: Tensor, norm: RMSNorm | None, features: int) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """The [T, features] fp32 rows a node multiplies (``x``, or ``x`` RMS-normed when ``norm`` is given) and what it
-    saves to get them back in the backward (``recompute_rows``): the rows themselves, or the norm's input and
-    ``rstd``, which the norm's backward needs anyway (one [T, features] tensor per layer instead of two)."""
+def normed_rows(
+    x: Tensor, norm: RMSNorm | None, features: int, *, want_bf16: bool = False
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """The [T, features] fp32 rows a node multiplies (``x``, or ``x`` RMS-normed when ``norm`` is given), the same
+    rows in bf16 when ``want_bf16`` and the norm writes them in its pass (else None), and what the node saves to get
+    the rows back in the backward (``recompute_rows``): the rows themselves, or the norm's input and ``rstd``, which
+    the norm's backward needs anyway (one [T, features] tensor per layer instead of two)."""
     if norm is None:
         x2 = rows_fp32(x, features)
-        return x2, (x2,)
-    y, rstd = rms_forward(x, *norm)
-    return rows_fp32(y, features), (x, rstd)
+        return x2, None, (x2,)
+    y, rstd, yb = rms_forward(x, *norm, want_bf16=want_bf16)
+    return rows_fp32(y, features), None if yb is None else yb.reshape(-1, features), (x, rstd)
 
 
 def recompute_rows(norm: RMSNorm | None, saved: Sequence[Tensor], features: int) -> Tensor:
@@ -203,8 +235,8 @@ class _SharedInputFn(torch.autograd.Function):
         ctx: Any, members: tuple[LoRALinear, ...], norm: RMSNorm | None, x: Tensor, *params: Tensor
     ) -> tuple[Tensor, ...]:
         del params  # read from the members (the same tensors), passed only so autograd tracks them
-        x2, saved = normed_rows(x, norm, members[0].in_features)
-        ys, h = finish_forward(members, x2, submit_forward(members, x2))
+        x2, x2b, saved = normed_rows(x, norm, members[0].in_features, want_bf16=takes_bf16_rows(members))
+        ys, h = finish_forward(members, x2, submit_forward(members, x2, x2b))
         ctx.save_for_backward(h, *saved)
         ctx.members, ctx.norm, ctx.in_shape = members, norm, x.shape
         return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)

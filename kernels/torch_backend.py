@@ -154,14 +154,17 @@ def widen_joint(layers: Sequence[object], product: Tensor) -> list[Tensor]:
     return out
 
 
-def joint_input_grad(joint: Tensor, dys: Sequence[Tensor]) -> Tensor:
+def joint_input_grad(joint: Tensor, dys: Sequence[Tensor], *, packed: Tensor | None = None) -> Tensor:
     """``Σ dy_i·W_i`` [T, in] float32 as one bf16 GEMM: the output gradients side by side in bf16 (each converted
-    straight into its columns) times the stacked weight, fp32 accumulation, one bf16 rounding of the sum."""
-    d = torch.empty(dys[0].shape[0], joint.shape[0], dtype=torch.bfloat16)
-    start = 0
-    for dy in dys:
-        d[:, start : start + dy.shape[1]].copy_(dy)
-        start += dy.shape[1]
+    straight into its columns, or ``packed``: that [T, Σout] bf16 matrix already made) times the stacked weight, fp32
+    accumulation, one bf16 rounding of the sum."""
+    d = packed
+    if d is None:
+        d = torch.empty(dys[0].shape[0], joint.shape[0], dtype=torch.bfloat16)
+        start = 0
+        for dy in dys:
+            d[:, start : start + dy.shape[1]].copy_(dy)
+            start += dy.shape[1]
     return torch.mm(d, joint).float()
 
 

@@ -10,7 +10,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from lorad.kernels import LoRALinear, make_frozen_linear
+from lorad.kernels import LoRALinear, fused, make_frozen_linear
 from lorad.server.engine.models.config import LoraConfig, ModelConfig
 from lorad.server.engine.models.heap import release_free_heap
 from lorad.server.engine.models.model import MLP, Attention, Block, CausalLM, Linear
@@ -91,6 +91,7 @@ def build_model(
     def w(key: str) -> Tensor:
         return stored(key).to(torch.float32)
 
+    fused.kernels()  # loaded (or built, once per machine) with the model, not in the first training step
     targets = set(lora.targets) if lora else set()
 
     def linear(name: str, bias: bool = False) -> Linear:

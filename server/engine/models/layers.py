@@ -32,7 +32,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y, rstd = rms_forward(x, weight, eps)
+        y, rstd, _ = rms_forward(x, weight, eps)
         ctx.save_for_backward(x, rstd, weight)
         return y
 

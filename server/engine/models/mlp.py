@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lorad.kernels import LoRALinear
+from lorad.kernels.fused import swiglu_backward, swiglu_forward
 from lorad.kernels.lora import rows_fp32
 from lorad.kernels.lora_group import backward as group_backward
 from lorad.kernels.lora_group import (
@@ -31,7 +31,9 @@ from lorad.kernels.lora_group import (
     normed_rows,
     rebuild,
     recompute_rows,
+    stacked,
     submit_forward,
+    takes_bf16_rows,
 )
 from lorad.kernels.rmsnorm import RMSNorm
 
@@ -48,10 +50,10 @@ class _LoRASwiGLU(torch.autograd.Function):
     ) -> Tensor:
         del params  # read from the layers (the same tensors), passed only so autograd tracks them
         gate_l, up_l, down_l = layers
-        x2, saved = normed_rows(x, norm, gate_l.in_features)
-        (gate, up), h_gu, kept = forward_keeping_products((gate_l, up_l), x2)
-        act = F.silu(gate).mul_(up)
-        (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act))
+        x2, x2b, saved = normed_rows(x, norm, gate_l.in_features, want_bf16=takes_bf16_rows((gate_l, up_l)))
+        (gate, up), h_gu, kept = forward_keeping_products((gate_l, up_l), x2, x2b)
+        act, act_b = swiglu_forward(gate, up, want_bf16=takes_bf16_rows((down_l,)))
+        (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act, act_b))
         ctx.save_for_backward(h_gu, h_d, *kept, *saved)
         ctx.layers, ctx.norm, ctx.in_shape, ctx.kept = layers, norm, x.shape, len(kept)
         return out.reshape(*x.shape[:-1], down_l.out_features)
@@ -64,14 +66,15 @@ class _LoRASwiGLU(torch.autograd.Function):
         x2 = recompute_rows(ctx.norm, saved, gate_l.in_features)
         gate, up = rebuild((gate_l, up_l), h_gu, kept)
         dout2 = rows_fp32(dout, down_l.out_features)
-        sg = F.silu(gate)
-        act = sg * up  # recomputed: cheaper than keeping [T, intermediate] fp32 per layer
+        act, _ = swiglu_forward(gate, up)  # recomputed: cheaper than keeping [T, intermediate] fp32 per layer
         d_act, (d_a_d,), (d_b_d,) = group_backward((down_l,), act, h_d, [dout2], need_x=True)
         assert d_act is not None
-        d_up = d_act * sg
-        d_gate = torch.ops.aten.silu_backward(d_act.mul_(up), gate)  # fused dy·s·(1 + x·(1 − s))
+        need_x = ctx.needs_input_grad[2]
+        f = gate.shape[1]
+        # [d_gate | d_up] in one pass, with their bf16 copy when the stacked gate/up GEMM takes it
+        d_gu, d_gu_b = swiglu_backward(d_act, gate, up, want_bf16=need_x and stacked((gate_l, up_l)))
         dx, (d_a_g, d_a_u), (d_b_g, d_b_u) = group_backward(
-            (gate_l, up_l), x2, h_gu, [d_gate, d_up], need_x=ctx.needs_input_grad[2]
+            (gate_l, up_l), x2, h_gu, [d_gu[:, :f], d_gu[:, f:]], need_x=need_x, dys_bf16=d_gu_b
         )
         dx_in = None if dx is None else norm_input_grad(ctx.norm, saved, dx, ctx.in_shape)
         return None, None, dx_in, d_a_g, d_a_u, d_a_d, d_b_g, d_b_u, d_b_d

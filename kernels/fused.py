@@ -1,0 +1,230 @@
+"""Fused CPU kernels for the training step's elementwise chains, with the torch ops they replace as the fallback.
+
+``fused_cpu.cpp`` is compiled once per machine with the system C++ compiler against the installed torch (about 6 s),
+cached under ``cache_dir()`` by a hash of the source, torch version, compiler and flags, and loaded as torch ops
+(``torch.ops.lorad_fused``). ``make setup`` builds it; a process that finds no build compiles it on first use. Where it
+cannot be built (no compiler, an unexpected toolchain) or ``LORAD_FUSED_KERNELS=0``, every function here computes the
+same math with torch ops: the numbers differ by float rounding only (the kernels' exp is a polynomial, their sums run
+in another order), and each path gives the same bits when called twice on the same operands, which is what the
+training nodes need to recompute instead of saving.
+
+SmolLM2 at 256 tokens on the AMX Xeon, 16 paired interleaved steps: 411 -> 382 ms a step. In isolation (2 threads,
+one layer's shapes): RMSNorm forward with its bf16 copy 66 -> 24 us, backward 95 -> 39 us, SwiGLU forward with its
+bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("fused_cpu.cpp")
+ENV_SWITCH = "LORAD_FUSED_KERNELS"  # "0" turns the kernels off (the torch fallback runs)
+ENV_CACHE = "LORAD_KERNEL_CACHE"  # where builds are kept; default ~/.cache/lorad/kernels (XDG_CACHE_HOME honoured)
+
+
+class FusedBuildError(RuntimeError):
+    """The kernels could not be compiled or loaded; the message holds the compiler's command and output."""
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$LORAD_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lorad/kernels``, else
+    ``~/.cache/lorad/kernels``."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lorad" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _flags(arch: bool) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-trapping-math", "-w"]
+    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    flags += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+    if arch:  # the build machine is the machine that runs it: use its whole vector unit
+        x86 = platform.machine() in ("x86_64", "AMD64")
+        flags += ["-march=native", "-mprefer-vector-width=512"] if x86 else ["-mcpu=native"]
+    return flags
+
+
+def _library_path(cache: Path, cxx: str, flags: list[str]) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(), " ".join(flags).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache / f"lorad_fused-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+
+def build(cache: Path | None = None) -> Path:
+    """Compiles ``fused_cpu.cpp`` into ``cache`` (default ``cache_dir()``) unless a build of this exact source,
+    torch, compiler and flags is there; returns the library's path. Concurrent builders each write a private file
+    and rename it into place, so a reader never sees half a library. Raises FusedBuildError."""
+    cxx = _compiler()
+    if cxx is None:
+        raise FusedBuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
+    cache = cache or cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for arch in (True, False):  # -march=native first; a compiler that rejects it builds for the generic target
+        flags = _flags(arch)
+        out = _library_path(cache, cxx, flags)
+        if out.exists():
+            return out
+        fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=cache)
+        os.close(fd)
+        cmd = [cxx, str(SOURCE), "-o", tmp, *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            Path(tmp).replace(out)
+            return out
+        Path(tmp).unlink(missing_ok=True)
+        errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-2000:]}")
+    raise FusedBuildError("building the fused kernels failed:\n" + "\n".join(errors))
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "ops": the loaded namespace or None, decided once per process
+
+
+def kernels() -> Any | None:
+    """The fused ops (``torch.ops.lorad_fused``), building them on first use, or None where they are off or cannot be
+    built (logged once, with the reason). Decided once per process: a training step never mixes the two paths."""
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load()
+        return _state["ops"]
+
+
+def _load() -> Any | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("fused_kernels_off", reason=f"{ENV_SWITCH}=0")
+        return None
+    try:
+        path = build()
+        torch.ops.load_library(str(path))
+    except (FusedBuildError, OSError, RuntimeError) as exc:
+        log.warning("fused_kernels_unavailable", error=str(exc).splitlines()[0], fallback="torch ops")
+        return None
+    return torch.ops.lorad_fused
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Runs the block with the torch fallback (tests compare the two paths); not for use inside a training step."""
+    with _lock:
+        saved = _state.get("ops", _state)
+        _state["ops"] = None
+    try:
+        yield
+    finally:
+        with _lock:
+            if saved is _state:
+                _state.pop("ops", None)
+            else:
+                _state["ops"] = saved
+
+
+def _rows_ok(*ts: Tensor) -> bool:
+    """Whether the kernels take these operands: float32 matrices with contiguous columns."""
+    return all(t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1 for t in ts)
+
+
+def rms_norm_forward(
+    x: Tensor, weight: Tensor, eps: float, *, want_bf16: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """RMSNorm of the rows of ``x`` [R, C]: ``(y, y as bf16 or None, rstd [R, 1])`` with
+    ``rstd = 1/sqrt(mean(x²) + eps)`` and ``y = x·rstd·weight``."""
+    ops = kernels()
+    if ops is not None and _rows_ok(x) and weight.dtype == torch.float32:
+        y, yb, rstd = ops.rms_norm_fwd(x, weight.contiguous(), float(eps), want_bf16)
+        return y, (yb if want_bf16 else None), rstd
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    y = x * rstd * weight
+    return y, (y.to(torch.bfloat16) if want_bf16 else None), rstd
+
+
+def rms_norm_apply(x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """``rms_norm_forward``'s ``y`` from ``x`` and its ``rstd``, bit for bit on the same path."""
+    ops = kernels()
+    if ops is not None and _rows_ok(x) and weight.dtype == torch.float32:
+        out: Tensor = ops.rms_norm_apply(x, rstd.contiguous(), weight.contiguous())
+        return out
+    return x * rstd * weight
+
+
+def rms_norm_backward(g: Tensor, x: Tensor, rstd: Tensor, weight: Tensor) -> Tensor:
+    """dL/dx of ``y = x·rstd·weight`` for the output gradient ``g`` [R, C] (the weight is frozen)."""
+    ops = kernels()
+    if ops is not None and _rows_ok(g, x) and weight.dtype == torch.float32:
+        out: Tensor = ops.rms_norm_bwd(g, x, rstd.contiguous(), weight.contiguous())
+        return out
+    gw = g * weight
+    xhat = x * rstd
+    return rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+
+
+def swiglu_forward(gate: Tensor, up: Tensor, *, want_bf16: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(silu(gate)·up, the same as bf16 or None)`` for [R, F] operands (column blocks of a wider tensor are fine)."""
+    ops = kernels()
+    if ops is not None and _rows_ok(gate, up):
+        act, actb = ops.swiglu_fwd(gate, up, want_bf16)
+        return act, (actb if want_bf16 else None)
+    act = F.silu(gate).mul_(up)
+    return act, (act.to(torch.bfloat16) if want_bf16 else None)
+
+
+def swiglu_backward(
+    d_act: Tensor, gate: Tensor, up: Tensor, *, want_bf16: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """The gradients of ``act = silu(gate)·up`` side by side, ``[d_gate | d_up]`` [R, 2F] float32, and the same as
+    bf16 or None: the left operand of the stacked gate/up weight's input-gradient GEMM."""
+    ops = kernels()
+    if ops is not None and _rows_ok(d_act, gate, up):
+        dgu, dgub = ops.swiglu_bwd(d_act, gate, up, want_bf16)
+        return dgu, (dgub if want_bf16 else None)
+    f = gate.shape[1]
+    dgu = torch.empty(gate.shape[0], 2 * f, dtype=torch.float32)
+    torch.mul(d_act, F.silu(gate), out=dgu[:, f:])
+    dgu[:, :f] = torch.ops.aten.silu_backward(d_act * up, gate)  # fused dy·s·(1 + x·(1 − s))
+    return dgu, (dgu.to(torch.bfloat16) if want_bf16 else None)
+
+
+def main() -> int:
+    """``python -m lorad.kernels.fused``: builds the kernels now (``make setup`` runs it) and prints where."""
+    try:
+        path = build()
+    except FusedBuildError as exc:
+        print(f"fused kernels not built; training uses torch ops instead.\n{exc}")
+        return 0  # not an error: the fallback computes the same math
+    print(f"fused kernels: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,262 @@
+// Fused CPU kernels for the training step's elementwise chains (built and loaded by kernels/fused.py).
+//
+// Each kernel is one pass over its rows where torch runs several ops, each a full pass over memory with its own
+// dispatch: the RMSNorm forward also writes the bf16 copy the next GEMM reads, the SwiGLU backward writes both
+// gradients and their bf16 copies at once. Rows are split across torch's intra-op threads (at::parallel_for); every
+// row is computed by one thread in one fixed order, so results do not depend on the thread count, and a kernel called
+// twice on the same operands gives the same bits (the nodes rely on that to recompute what they did not save).
+//
+// Inputs: float32 matrices whose columns are contiguous (stride(1) == 1); rows may be strided (column blocks of a
+// wider tensor). Outputs: new contiguous tensors. No libm calls in the loops (a polynomial exp), so the compiler
+// vectorizes them for the build machine's own vector unit (AVX-512, AVX2, NEON).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kGrainElements = 16384;  // at most one chunk per thread below this many elements
+
+int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, cols)); }
+
+// float -> bfloat16 bits, round to nearest even, NaN kept quiet: the conversion torch's .to(torch.bfloat16) does.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+// e^x for x in float range, ~1 ulp (Cephes' expf polynomial on a range-reduced argument, 2^n set through the exponent
+// bits). Inputs are clamped to [-87.3, 88.7] (the results stay finite and normal); NaN stays NaN.
+inline float exp_poly(float x) {
+  x = x > 88.7f ? 88.7f : x;
+  x = x < -87.3f ? -87.3f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, name, " must have contiguous columns (stride(1) == 1)");
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* name) {
+  TORCH_CHECK(a.size(0) == b.size(0) && a.size(1) == b.size(1), name, " has shape ", b.sizes(), ", expected ",
+              a.sizes());
+}
+
+void check_weight(const at::Tensor& w, int64_t cols) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == cols && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "weight must be a contiguous float32 vector of ", cols, " elements, got ", w.sizes(), " ",
+              w.scalar_type());
+}
+
+uint16_t* bf16_data(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// y = x·rstd·w with rstd = 1/sqrt(mean(x²) + eps) per row, rstd [R, 1], and (when asked) y as bfloat16; the second
+// tensor is empty otherwise.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                            bool want_bf16) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0);
+  check_weight(w, C);
+  at::Tensor y = at::empty({R, C}, x.options());
+  at::Tensor yb = at::empty({want_bf16 ? R : 0, C}, x.options().dtype(at::kBFloat16));
+  at::Tensor rstd = at::empty({R, 1}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  uint16_t* bp = want_bf16 ? bf16_data(yb) : nullptr;
+  float* rp = rstd.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, R, grain_rows(C), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * ldx;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < C; ++c) ss += xr[c] * xr[c];
+      const float rs = 1.0f / __builtin_sqrtf(ss / static_cast<float>(C) + feps);
+      rp[r] = rs;
+      float* yr = yp + r * C;
+      if (bp != nullptr) {
+        uint16_t* br = bp + r * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = xr[c] * rs * wp[c];
+          yr[c] = v;
+          br[c] = to_bf16(v);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * rs * wp[c];
+      }
+    }
+  });
+  return {y, yb, rstd};
+}
+
+// The forward's y from x and its rstd, bit for bit (the same expression).
+at::Tensor rms_norm_apply(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& w) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0);
+  check_weight(w, C);
+  TORCH_CHECK(rstd.numel() == R && rstd.is_contiguous() && rstd.scalar_type() == at::kFloat,
+              "rstd must hold one float32 per row");
+  at::Tensor y = at::empty({R, C}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, grain_rows(C), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * ldx;
+      const float rs = rp[r];
+      float* yr = yp + r * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * rs * wp[c];
+    }
+  });
+  return y;
+}
+
+// dL/dx of y = x·rstd·w (w frozen): rstd·(g·w − x̂·mean(g·w·x̂)), x̂ = x·rstd.
+at::Tensor rms_norm_bwd(const at::Tensor& g, const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& w) {
+  check_rows(g, "g");
+  check_rows(x, "x");
+  check_same(x, g, "g");
+  const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0), ldg = g.stride(0);
+  check_weight(w, C);
+  TORCH_CHECK(rstd.numel() == R && rstd.is_contiguous() && rstd.scalar_type() == at::kFloat,
+              "rstd must hold one float32 per row");
+  at::Tensor dx = at::empty({R, C}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  float* dp = dx.data_ptr<float>();
+  at::parallel_for(0, R, grain_rows(C), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * ldx;
+      const float* gr = gp + r * ldg;
+      const float rs = rp[r];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < C; ++c) dot += gr[c] * wp[c] * (xr[c] * rs);
+      const float mean = dot / static_cast<float>(C);
+      float* dr = dp + r * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) dr[c] = rs * (gr[c] * wp[c] - (xr[c] * rs) * mean);
+    }
+  });
+  return dx;
+}
+
+// act = silu(gate)·up, and (when asked) act as bfloat16; the second tensor is empty otherwise.
+std::tuple<at::Tensor, at::Tensor> swiglu_fwd(const at::Tensor& gate, const at::Tensor& up, bool want_bf16) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  check_same(gate, up, "up");
+  const int64_t R = gate.size(0), F = gate.size(1), ldg = gate.stride(0), ldu = up.stride(0);
+  at::Tensor act = at::empty({R, F}, gate.options());
+  at::Tensor actb = at::empty({want_bf16 ? R : 0, F}, gate.options().dtype(at::kBFloat16));
+  const float* gp = gate.data_ptr<float>();
+  const float* up_ = up.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  uint16_t* bp = want_bf16 ? bf16_data(actb) : nullptr;
+  at::parallel_for(0, R, grain_rows(F), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = gp + r * ldg;
+      const float* ur = up_ + r * ldu;
+      float* ar = ap + r * F;
+      if (bp != nullptr) {
+        uint16_t* br = bp + r * F;
+#pragma omp simd
+        for (int64_t c = 0; c < F; ++c) {
+          const float v = gr[c] * sigmoid(gr[c]) * ur[c];
+          ar[c] = v;
+          br[c] = to_bf16(v);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < F; ++c) ar[c] = gr[c] * sigmoid(gr[c]) * ur[c];
+      }
+    }
+  });
+  return {act, actb};
+}
+
+// Gradients of act = silu(gate)·up for d_act: [dgate | dup] side by side [R, 2F] in float32 and (when asked) in
+// bfloat16, the order of the stacked gate/up weight, so the bf16 block is the input-gradient GEMM's left operand as
+// it is (converted from the row just written, still in cache); the second tensor is empty otherwise.
+std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& d_act, const at::Tensor& gate, const at::Tensor& up,
+                                              bool want_bf16) {
+  check_rows(d_act, "d_act");
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  check_same(gate, up, "up");
+  check_same(gate, d_act, "d_act");
+  const int64_t R = gate.size(0), F = gate.size(1);
+  const int64_t ldd = d_act.stride(0), ldg = gate.stride(0), ldu = up.stride(0);
+  at::Tensor dgu = at::empty({R, 2 * F}, gate.options());
+  at::Tensor dgub = at::empty({want_bf16 ? R : 0, 2 * F}, gate.options().dtype(at::kBFloat16));
+  const float* dp = d_act.data_ptr<float>();
+  const float* gp = gate.data_ptr<float>();
+  const float* up_ = up.data_ptr<float>();
+  float* op = dgu.data_ptr<float>();
+  uint16_t* bp = want_bf16 ? bf16_data(dgub) : nullptr;
+  at::parallel_for(0, R, grain_rows(2 * F), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* dr = dp + r * ldd;
+      const float* gr = gp + r * ldg;
+      const float* ur = up_ + r * ldu;
+      float* og = op + r * 2 * F;
+      float* ou = og + F;
+#pragma omp simd
+      for (int64_t c = 0; c < F; ++c) {
+        const float g = gr[c];
+        const float s = sigmoid(g);
+        og[c] = dr[c] * ur[c] * (s * (1.0f + g * (1.0f - s)));
+        ou[c] = dr[c] * (g * s);
+      }
+      if (bp != nullptr) {
+        uint16_t* br = bp + r * 2 * F;
+#pragma omp simd
+        for (int64_t c = 0; c < 2 * F; ++c) br[c] = to_bf16(og[c]);
+      }
+    }
+  });
+  return {dgu, dgub};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lorad_fused, m) {
+  m.def("rms_norm_fwd(Tensor x, Tensor w, float eps, bool want_bf16) -> (Tensor, Tensor, Tensor)", &rms_norm_fwd);
+  m.def("rms_norm_apply(Tensor x, Tensor rstd, Tensor w) -> Tensor", &rms_norm_apply);
+  m.def("rms_norm_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor", &rms_norm_bwd);
+  m.def("swiglu_fwd(Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_fwd);
+  m.def("swiglu_bwd(Tensor d_act, Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_bwd);
+}

@@ -1,0 +1,201 @@
+"""The fused CPU kernels (kernels/fused_cpu.cpp, built by kernels/fused.py) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorad.kernels import fused
+from lorad.server.engine.api import build_model
+
+needs_compiler = pytest.mark.skipif(fused._compiler() is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    """The built kernels; where a compiler exists they must build and load (make setup builds them)."""
+    if fused._compiler() is None:
+        pytest.skip("no C++ compiler on this machine")
+    got = fused.kernels()
+    assert got is not None, "the fused kernels did not build although a compiler is installed"
+    return got
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _operands(rows: int = 67, cols: int = 96, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Gate and up as column blocks of one wider tensor (as the stacked GEMM's widened output is), an odd row count
+    (remainder rows per thread), values out to |x| = 12 (the exp's whole useful range)."""
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(rows, 2 * cols, generator=g) * 4
+    gu[0, :4] = torch.tensor([12.0, -12.0, 0.0, -0.0])
+    return {
+        "x": torch.randn(rows, cols, generator=g) * 3,
+        "w": torch.randn(cols, generator=g),
+        "gate": gu[:, :cols],
+        "up": gu[:, cols:],
+        "d": torch.randn(rows, cols, generator=g),
+    }
+
+
+def test_rms_norm_matches_torch_and_recomputes_bit_for_bit(ops: object) -> None:
+    t = _operands()
+    y, yb, rstd = fused.rms_norm_forward(t["x"], t["w"], 1e-5, want_bf16=True)
+    with fused.disabled():
+        y_ref, _, rstd_ref = fused.rms_norm_forward(t["x"], t["w"], 1e-5)
+        dx_ref = fused.rms_norm_backward(t["d"], t["x"], rstd_ref, t["w"])
+    assert _rel(y, y_ref) < 1e-6 and _rel(rstd, rstd_ref) < 1e-6
+    assert yb is not None and torch.equal(yb, y.to(torch.bfloat16))  # the GEMM's operand: y rounded, nothing else
+    assert torch.equal(fused.rms_norm_apply(t["x"], rstd, t["w"]), y)
+    assert _rel(fused.rms_norm_backward(t["d"], t["x"], rstd, t["w"]), dx_ref) < 1e-5
+    assert fused.rms_norm_forward(t["x"], t["w"], 1e-5)[1] is None
+
+
+def test_swiglu_matches_torch_on_column_blocks(ops: object) -> None:
+    t = _operands()
+    act, act_b = fused.swiglu_forward(t["gate"], t["up"], want_bf16=True)
+    d_gu, d_gu_b = fused.swiglu_backward(t["d"], t["gate"], t["up"], want_bf16=True)
+    with fused.disabled():
+        act_ref, _ = fused.swiglu_forward(t["gate"], t["up"])
+        d_gu_ref, _ = fused.swiglu_backward(t["d"], t["gate"], t["up"])
+    gate = t["gate"].clone().requires_grad_()
+    up = t["up"].clone().requires_grad_()
+    (torch.nn.functional.silu(gate) * up * t["d"]).sum().backward()
+    assert _rel(act, act_ref) < 1e-6
+    f = t["gate"].shape[1]
+    assert _rel(d_gu[:, :f], gate.grad) < 1e-6 and _rel(d_gu[:, f:], up.grad) < 1e-6  # type: ignore[arg-type]
+    assert _rel(d_gu, d_gu_ref) < 1e-6
+    assert act_b is not None and torch.equal(act_b, act.to(torch.bfloat16))
+    assert d_gu_b is not None and torch.equal(d_gu_b, d_gu.to(torch.bfloat16))
+    assert torch.equal(fused.swiglu_forward(t["gate"], t["up"])[0], act)  # recomputation gives the same bits
+
+
+def test_bf16_copies_round_like_torch_at_the_edges(ops: object) -> None:
+    """Ties to even, overflow to inf, subnormals, signed zero: what torch's .to(torch.bfloat16) gives; NaN stays NaN."""
+    edge = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, 3.3895e38, -3.4e38, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-45]
+    )
+    x = edge.repeat(4, 1)
+    ones = torch.ones(x.shape[1])
+    _, yb, rstd = fused.rms_norm_forward(x[:, :2], ones[:2], 0.0, want_bf16=True)  # finite rows: y = x·rstd
+    y = fused.rms_norm_apply(x[:, :2], rstd, ones[:2])
+    assert yb is not None and torch.equal(yb, y.to(torch.bfloat16))
+    big = torch.full_like(x, 30.0)  # silu(30)·up = 30·up up to float rounding: the product carries the edge values
+    act, act_b = fused.swiglu_forward(big, x, want_bf16=True)
+    assert act_b is not None
+    ref = act.to(torch.bfloat16)
+    nan = ref.isnan()
+    assert nan.any() and torch.equal(act_b.isnan(), nan)  # NaN stays NaN (torch's vector path sets other payload bits)
+    assert torch.equal(act_b[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
+def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
+    t = _operands(rows=301, cols=576)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(
+                (
+                    *fused.rms_norm_forward(t["x"], t["w"], 1e-6, want_bf16=True),
+                    *fused.swiglu_backward(t["d"], t["gate"], t["up"], want_bf16=True),
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
+    t = _operands()
+    k = fused.kernels()
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        k.rms_norm_fwd(t["x"].double(), t["w"], 1e-5, False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32 vector of 96"):
+        k.rms_norm_fwd(t["x"], t["w"][:5], 1e-5, False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="up has shape"):
+        k.swiglu_fwd(t["gate"], t["up"][:3], False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="gate must have contiguous columns"):
+        k.swiglu_bwd(t["d"], t["gate"].t(), t["up"], False)  # type: ignore[union-attr]
+    # The Python entry points take any layout: what the kernels cannot take goes to torch ops.
+    act, _ = fused.swiglu_forward(t["gate"].t(), t["up"].t())
+    torch.testing.assert_close(act, torch.nn.functional.silu(t["gate"].t()) * t["up"].t())
+
+
+@needs_compiler
+def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: Path, monkeypatch) -> None:
+    first = fused.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert fused.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not compiled again
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with pytest.raises(fused.FusedBuildError, match="building the fused kernels failed") as err:
+        fused.build(tmp_path / "other")
+    assert "false" in str(err.value)
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_switch_off_runs_the_torch_ops(monkeypatch) -> None:
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    assert fused._load() is None
+
+
+def _tiny_model(precision: str = "bf16") -> torch.nn.Module:
+    from lorad.server.engine.api import LoraConfig, ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, max_position=64)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    d, f, kv = 32, 48, 16
+    w = {"model.embed_tokens.weight": torch.randn(64, d, generator=g) * 0.2}
+    w["model.norm.weight"] = 1 + torch.rand(d, generator=g)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+                  "self_attn.o_proj": (d, d), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
+                  "mlp.down_proj": (d, f)}  # fmt: skip
+        for n, s in shapes.items():
+            w[p + n + ".weight"] = torch.randn(*s, generator=g) / s[1] ** 0.5
+        w[p + "input_layernorm.weight"] = 1 + torch.rand(d, generator=g)
+        w[p + "post_attention_layernorm.weight"] = 1 + torch.rand(d, generator=g)
+    model = build_model(cfg, w, backend="torch", precision=precision, lora=LoraConfig(rank=4, alpha=8.0))
+    for p in model.parameters():
+        if p.requires_grad:
+            with torch.no_grad():
+                p.normal_(std=0.1, generator=g)  # nonzero B: every LoRA gradient is exercised
+    return model
+
+
+@pytest.mark.parametrize(("precision", "per_element", "overall"), [("fp32", 1e-5, 1e-6), ("bf16", 5e-2, 1e-2)])
+def test_a_training_step_agrees_with_the_torch_ops(ops: object, precision: str, per_element: float, overall: float):
+    """Every LoRA gradient of a step, fused kernels against torch ops. In fp32 they differ by float rounding only.
+    At bf16 both paths round the same GEMM operands, but where an operand's fp32 value differs in its last bit the
+    rounded element moves by one bf16 ulp (2^-8 relative): measured over 8 seeds up to 9e-3 per element and 4e-3
+    overall, 3e-7 and 1e-7 where no element flips; a wrong kernel is off by O(1)."""
+    model = _tiny_model(precision)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for off in (False, True):
+        model.zero_grad()
+        with fused.disabled() if off else contextlib.nullcontext():
+            model(ids, ids).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == 2 * 7 * 2
+    for a, b in zip(*grads, strict=True):
+        assert _rel(a, b) < per_element
+    diff = sum(float((a - b).norm()) ** 2 for a, b in zip(*grads, strict=True)) ** 0.5
+    assert diff < overall * sum(float(b.norm()) ** 2 for b in grads[1]) ** 0.5
+
+
+def test_build_model_decides_the_path_before_the_first_step(ops: object, monkeypatch) -> None:
+    """The kernels are loaded (or built) when a model is built, so no training step pays for it."""
+    monkeypatch.setattr(fused, "_state", {})
+    _tiny_model()
+    assert fused._state == {"ops": ops}
