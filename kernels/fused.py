@@ -216,7 +216,7 @@ def swiglu_backward(
 
 
 def main() -> int:
-    """``python -m lorad.kernels.fused``: builds the kernels now (``make setup`` runs it) and prints where."""
+    """Builds the kernels now (``make setup`` runs it) and prints where, or why not."""
     try:
         path = build()
     except FusedBuildError as exc:
@@ -225,6 +225,3 @@ def main() -> int:
     print(f"fused kernels: {path}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
