@@ -34,6 +34,14 @@ inline uint16_t to_bf16(float f) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
 }
 
+// bfloat16 bits -> float (exact).
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // e^x for x in float range, ~1 ulp (Cephes' expf polynomial on a range-reduced argument, 2^n set through the exponent
 // bits). Inputs are clamped to [-87.3, 88.7] (the results stay finite and normal); NaN stays NaN.
 inline float exp_poly(float x) {
@@ -251,6 +259,77 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& d_act, const at:
   return {dgu, dgub};
 }
 
+
+// RoPE of x [B, T, H, D] (float32, any strides with contiguous D) into contiguous bfloat16 [B, H, T, D]: with halves
+// x1, x2 and the tables' rows c, s at position t, y1 = x1·c1 − x2·s1 and y2 = x2·c2 + x1·s2, rounded once.
+at::Tensor rope_bf16_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1,
+              "x must be a float32 [B, T, H, D] tensor with contiguous D, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
+  for (const at::Tensor* tab : {&cos, &sin}) {
+    TORCH_CHECK(tab->dim() == 2 && tab->size(0) == T && tab->size(1) == D && tab->is_contiguous() &&
+                    tab->scalar_type() == at::kFloat,
+                "cos and sin must be contiguous float32 [", T, ", ", D, "] tables, got ", tab->sizes());
+  }
+  at::Tensor y = at::empty({B, H, T, D}, x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  uint16_t* yp = bf16_data(y);
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, B * H * T, grain_rows(D), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // i = (b·H + h)·T + t: output row i
+      const int64_t t = i % T, h = (i / T) % H, b = i / (T * H);
+      const float* xr = xp + b * sb + t * st + h * sh;
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      uint16_t* yr = yp + i * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) {
+        yr[d] = to_bf16(xr[d] * c[d] - xr[d + half] * s[d]);
+        yr[d + half] = to_bf16(xr[d + half] * c[d + half] + xr[d] * s[d + half]);
+      }
+    }
+  });
+  return y;
+}
+
+// The gradient of rope_bf16_fwd for g [B, H, T, D] (bfloat16, contiguous): float32 [B, T, H, D], contiguous, with
+// dx1 = g1·c1 + g2·s2 and dx2 = g2·c2 − g1·s1.
+at::Tensor rope_bf16_bwd(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(g.dim() == 4 && g.scalar_type() == at::kBFloat16 && g.is_contiguous(),
+              "g must be a contiguous bfloat16 [B, H, T, D] tensor, got ", g.sizes(), " ", g.scalar_type());
+  const int64_t B = g.size(0), H = g.size(1), T = g.size(2), D = g.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
+  for (const at::Tensor* tab : {&cos, &sin}) {
+    TORCH_CHECK(tab->dim() == 2 && tab->size(0) == T && tab->size(1) == D && tab->is_contiguous() &&
+                    tab->scalar_type() == at::kFloat,
+                "cos and sin must be contiguous float32 [", T, ", ", D, "] tables, got ", tab->sizes());
+  }
+  at::Tensor dx = at::empty({B, T, H, D}, g.options().dtype(at::kFloat));
+  const uint16_t* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* dp = dx.data_ptr<float>();
+  at::parallel_for(0, B * H * T, grain_rows(D), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // i = (b·H + h)·T + t: gradient row i
+      const int64_t t = i % T, h = (i / T) % H, b = i / (T * H);
+      const uint16_t* gr = gp + i * D;
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      float* dr = dp + ((b * T + t) * H + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) {
+        const float g1 = from_bf16(gr[d]), g2 = from_bf16(gr[d + half]);
+        dr[d] = g1 * c[d] + g2 * s[d + half];
+        dr[d + half] = g2 * c[d + half] - g1 * s[d];
+      }
+    }
+  });
+  return dx;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lorad_fused, m) {
@@ -259,4 +338,6 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("rms_norm_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor", &rms_norm_bwd);
   m.def("swiglu_fwd(Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_fwd);
   m.def("swiglu_bwd(Tensor d_act, Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_bwd);
+  m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
+  m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
 }

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lorad.kernels.fused import rope_bf16_backward, rope_bf16_forward
 from lorad.kernels.rmsnorm import rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear
 from lorad.server.engine.models.config import ModelConfig
@@ -68,33 +69,21 @@ class _RopeBf16(torch.autograd.Function):
     multiplies; its gradient comes back as contiguous fp32 [B, T, H, D] rows, the layout the q/k/v node takes.
 
     With halves x1, x2 and ``y = x·cos + rotate_half(x)·sin``: y1 = x1·c − x2·s, y2 = x2·c + x1·s, so
-    dx1 = g1·c + g2·s and dx2 = g2·c − g1·s: one product and two half-width ``addcmul_`` each way, in fp32, written
-    straight into the layout the next op reads. Autograd's version of ``apply_rope`` runs ~6 ops a direction (the
-    negated half, a concatenation) and the layout changes around it cost a copy each way.
+    dx1 = g1·c + g2·s and dx2 = g2·c − g1·s, in fp32, written straight into the layout the next op reads: one pass
+    each way with the fused kernels (``kernels.fused``), else one product and two half-width ``addcmul_``. Autograd's
+    version of ``apply_rope`` runs ~6 ops a direction (the negated half, a concatenation) and the layout changes
+    around it cost a copy each way.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t, h, d = x.shape
-        xt = x.transpose(1, 2)
-        r = torch.mul(xt, cos, out=torch.empty(b, h, t, d))
-        half = d // 2
-        r[..., :half].addcmul_(xt[..., half:], sin[:, :half], value=-1.0)
-        r[..., half:].addcmul_(xt[..., :half], sin[:, half:])
         ctx.save_for_backward(cos, sin)
-        return r.to(torch.bfloat16)
+        return rope_bf16_forward(x, cos, sin)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
         cos, sin = ctx.saved_tensors
-        b, h, t, d = g.shape
-        dx = torch.empty(b, t, h, d)
-        dxt = dx.transpose(1, 2)
-        torch.mul(g, cos, out=dxt)
-        half = d // 2
-        dxt[..., :half].addcmul_(g[..., half:], sin[:, half:])
-        dxt[..., half:].addcmul_(g[..., :half], sin[:, :half], value=-1.0)
-        return dx, None, None
+        return rope_bf16_backward(g, cos, sin), None, None
 
 
 def rope_bf16(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
