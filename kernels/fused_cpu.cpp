@@ -17,7 +17,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -330,6 +332,50 @@ at::Tensor rope_bf16_bwd(const at::Tensor& g, const at::Tensor& cos, const at::T
   return dx;
 }
 
+
+// Softmax cross-entropy over bfloat16 logit rows [R, V] (the lm_head GEMM's product), in fp32: returns each row's
+// lse − logit[label] and, with a positive `denom`, overwrites the row with its gradient (softmax − onehot) / denom
+// rounded to bfloat16, the input-gradient GEMM's operand. Three passes over a row while it sits in cache (max,
+// Σ exp, write), against ~10 passes over a widened fp32 copy.
+at::Tensor softmax_xent_bf16_(at::Tensor& logits, const at::Tensor& labels, double denom) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kBFloat16 && logits.stride(1) == 1,
+              "logits must be a bfloat16 matrix with contiguous columns, got ", logits.sizes(), " ",
+              logits.scalar_type());
+  const int64_t R = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == R && labels.scalar_type() == at::kLong && labels.is_contiguous(),
+              "labels must be a contiguous int64 vector of ", R, " elements, got ", labels.sizes());
+  const int64_t* lp = labels.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(lp[r] >= 0 && lp[r] < V, "label ", lp[r], " of row ", r, " is outside the vocabulary [0, ", V, ")");
+  }
+  at::Tensor loss = at::empty({R}, logits.options().dtype(at::kFloat));
+  uint16_t* xp = bf16_data(logits);
+  float* op = loss.data_ptr<float>();
+  const bool grad = denom > 0.0;
+  const float inv_denom = grad ? static_cast<float>(1.0 / denom) : 0.0f;
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* xr = xp + r * ld;
+      float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+      for (int64_t v = 0; v < V; ++v) m = std::max(m, from_bf16(xr[v]));
+      float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t v = 0; v < V; ++v) z += exp_poly(from_bf16(xr[v]) - m);
+      const float target = from_bf16(xr[lp[r]]);
+      op[r] = m + std::log(z) - target;
+      if (grad) {
+        const float scale = inv_denom / z;
+#pragma omp simd
+        for (int64_t v = 0; v < V; ++v) xr[v] = to_bf16(exp_poly(from_bf16(xr[v]) - m) * scale);
+        // the label's entry: (p − 1) / denom, from its own probability
+        xr[lp[r]] = to_bf16((exp_poly(target - m) / z - 1.0f) * inv_denom);
+      }
+    }
+  });
+  return loss;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lorad_fused, m) {
@@ -340,4 +386,5 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("swiglu_bwd(Tensor d_act, Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_bwd);
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
+  m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);
 }

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lorad.kernels.fused import rope_bf16_backward, rope_bf16_forward
+from lorad.kernels.fused import rope_bf16_backward, rope_bf16_forward, softmax_xent_, softmax_xent_bf16_
 from lorad.kernels.rmsnorm import rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear
 from lorad.server.engine.models.config import ModelConfig
@@ -144,18 +144,17 @@ _ROW_MULTIPLE = 16
 
 
 # A torch bf16 head multiplies up to _BF16_HEAD_ROWS rows per GEMM and keeps their bf16 logits (17 MB for a SmolLM2
-# step's ~170 labelled rows at 49,152 words); the fp32 softmax then runs over _BF16_SOFTMAX_ROWS rows of it at a time.
+# step's ~170 labelled rows at 49,152 words); the fp32 softmax then runs over them in place (fused.softmax_xent_bf16_).
 # Each lm_head GEMM streams the whole weight (56 MB in bf16 for SmolLM2) from memory: in chunks of 64 rows a step read
 # it six times, in one block twice (the loss's two GEMMs alone: 21.8 -> 14.1 ms, AMX Xeon, 2 threads). Paired
-# interleaved SmolLM2 steps: median -13.5 and -16.1 ms (16 pairs each). 16-row softmax chunks keep the peak where
-# 64-row chunks of fp32 logits had it (861 vs 856 MB under tcmalloc; 64-row chunks beside the block: 889-892 MB), at
-# the same step time.
+# interleaved SmolLM2 steps: median -13.5 and -16.1 ms (16 pairs each). The softmax works on the bf16 block itself
+# (or, on the torch-ops path, on 16 widened rows at a time: 64-row fp32 chunks beside the block raised the peak from
+# 861 to 889-892 MB under tcmalloc).
 # The block's rows are padded to a multiple of 64, so a step allocates one of four logits sizes: padded to 16, the
 # size changed with nearly every step's labelled-token count and tcmalloc's spans of the old sizes stayed behind (peak
 # 900 vs 862 MB, 12-step bench runs at fixed bf16).
 _BF16_HEAD_ROWS = 256
 _BF16_HEAD_ROW_MULTIPLE = 64
-_BF16_SOFTMAX_ROWS = 16
 
 
 def _bf16_head(head: FrozenMatmul) -> TorchFrozenLinear | None:
@@ -176,31 +175,14 @@ def _padded(hc: Tensor, block: int, multiple: int = _ROW_MULTIPLE) -> Tensor:
     return hc.contiguous()
 
 
-def _softmax_loss_rows(logits: Tensor, lc: Tensor, denom: float | None) -> Tensor:
-    """Sum over rows of ``lse - logit[target]`` for fp32 ``logits`` [rows, V]; with ``denom``, turns ``logits`` in
-    place into the gradient ``(softmax - onehot) / denom``."""
-    target = logits.gather(1, lc[:, None]).squeeze(1)
-    # logsumexp by hand, in place: one exp pass shared with the softmax (torch.logsumexp makes its own
-    # temporaries: 99 vs 55 ms for lse + softmax at [255, 49152], 1 thread; same lse bit for bit).
-    m = logits.amax(dim=-1, keepdim=True)
-    e = torch.exp_(logits.sub_(m))  # logits are not needed again
-    z = e.sum(dim=-1, keepdim=True)
-    lse = (m + z.log()).squeeze(1)
-    if denom is not None:
-        p = e.div_(z)  # softmax
-        p[torch.arange(lc.shape[0]), lc] -= 1.0
-        p.div_(denom)
-    return (lse - target).sum()
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss of a frozen vocab projection + softmax cross-entropy, chunked over tokens.
 
     Only [chunk, V] fp32 logits exist at any time; the gradient w.r.t. the hidden states is computed in the
     forward pass (softmax - onehot, times W) so nothing vocabulary-sized is saved for backward. A torch bf16 head
-    multiplies up to ``_BF16_HEAD_ROWS`` rows at once and keeps that block's bf16 logits; the softmax widens
-    ``_BF16_SOFTMAX_ROWS`` of them at a time and writes their gradient rows back into it (the bf16 operand the
-    input-gradient GEMM takes anyway): the same numbers, the weight streamed twice per block instead of per chunk.
+    multiplies up to ``_BF16_HEAD_ROWS`` rows at once and keeps that block's bf16 logits; the fp32 softmax runs over
+    them and writes their gradient rows back into the block (``fused.softmax_xent_bf16_``), the bf16 operand the
+    input-gradient GEMM takes anyway: the same numbers, the weight streamed twice per block instead of per chunk.
     """
 
     @staticmethod
@@ -218,19 +200,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hp = _padded(hc, block, _ROW_MULTIPLE if bf16 is None else _BF16_HEAD_ROW_MULTIPLE)
             if bf16 is None:
                 full = head.forward(hp)  # [padded, V] fp32; the padding rows are never read
-                total = total + _softmax_loss_rows(full[:rows], lb, denom if dh is not None else None)
+                total = total + softmax_xent_(full[:rows], lb, denom if dh is not None else None)
                 if dh is not None:
                     dh[s : s + rows] = head.input_grad(full)[:rows]  # a row's gradient reads its own row only
                 continue
             prod = bf16.bf16_product(hp)  # [padded, V] bf16
-            for r in range(0, rows, _BF16_SOFTMAX_ROWS):
-                part = prod[r : min(r + _BF16_SOFTMAX_ROWS, rows)]
-                logits = bf16.widen(part)
-                total = total + _softmax_loss_rows(
-                    logits, lb[r : r + _BF16_SOFTMAX_ROWS], denom if dh is not None else None
-                )
-                if dh is not None:
-                    part.copy_(logits)  # the gradient rows, rounded to bf16 as input_grad would
+            # loss, and the gradient rows written back into the block (the input-gradient GEMM's bf16 operand)
+            total = total + softmax_xent_bf16_(prod[:rows], lb, denom if dh is not None else None)
             if dh is not None:
                 dh[s : s + rows] = bf16.input_grad_bf16(prod)[:rows]
         ctx.save_for_backward(dh if dh is not None else h.new_empty(0))

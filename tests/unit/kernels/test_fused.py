@@ -117,6 +117,28 @@ def test_rope_matches_torch_on_a_column_view(ops: object) -> None:
         k.rope_bf16_bwd(dy.float(), cos, sin)  # type: ignore[union-attr]
 
 
+def test_softmax_cross_entropy_over_bf16_logits_matches_torch(ops: object) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(37, 1000, generator=g) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, 1000, (37,), generator=g)
+    grad, grad_ref, untouched = logits.clone(), logits.clone(), logits.clone()
+    loss = fused.softmax_xent_bf16_(grad, labels, 37.0)
+    with fused.disabled():
+        loss_ref = fused.softmax_xent_bf16_(grad_ref, labels, 37.0)
+    exact = torch.nn.functional.cross_entropy(logits.double(), labels, reduction="sum")
+    assert abs(float(loss) - float(exact)) < 1e-5 * float(exact)
+    assert abs(float(loss_ref) - float(exact)) < 1e-5 * float(exact)
+    # the same bf16 gradient rows up to a rounding boundary: (p - onehot) / denom
+    assert float((grad.float() - grad_ref.float()).abs().max()) < 1e-3 / 37
+    assert float((grad != grad_ref).float().mean()) < 1e-2
+    assert grad.view(-1)[labels + 1000 * torch.arange(37)].lt(0).all()  # the label's entry is (p - 1) / denom < 0
+    assert float(fused.softmax_xent_bf16_(untouched, labels, None)) == float(loss)  # no gradient: logits kept
+    assert torch.equal(untouched, logits)
+    k = fused.kernels()
+    with pytest.raises(RuntimeError, match="label 1000 of row 36 is outside the vocabulary"):
+        k.softmax_xent_bf16_(logits.clone(), torch.cat([labels[:36], torch.tensor([1000])]), 1.0)  # type: ignore[union-attr]
+
+
 def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
     t = _operands(rows=301, cols=576)
     before = torch.get_num_threads()
