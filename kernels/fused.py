@@ -83,15 +83,26 @@ def _library_path(cache: Path, cxx: str, flags: list[str]) -> Path:
     return cache / f"lorad_fused-{platform.machine()}-{key.hexdigest()[:16]}.so"
 
 
-def build(cache: Path | None = None) -> Path:
+def build(cache: Path | None = None, *, retry: bool = False) -> Path:
     """Compiles ``fused_cpu.cpp`` into ``cache`` (default ``cache_dir()``) unless a build of this exact source,
     torch, compiler and flags is there; returns the library's path. Concurrent builders each write a private file
-    and rename it into place, so a reader never sees half a library. Raises FusedBuildError."""
+    and rename it into place, so a reader never sees half a library.
+
+    A failed build leaves a ``.failed`` file with the compiler's output next to where the library would be, and
+    later calls raise at once instead of compiling again in every process (``retry=True``, as ``make setup`` passes,
+    or deleting that file tries again; a new source, torch or compiler is a new build anyway).
+
+    Raises:
+        FusedBuildError: no compiler, or the build failed (now or before).
+    """
     cxx = _compiler()
     if cxx is None:
         raise FusedBuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
     cache = cache or cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
+    failed = _library_path(cache, cxx, _flags(False)).with_suffix(".failed")
+    if failed.exists() and not retry:
+        raise FusedBuildError(f"building the fused kernels failed before (see {failed}):\n{failed.read_text()}")
     errors = []
     for arch in (True, False):  # -march=native first; a compiler that rejects it builds for the generic target
         flags = _flags(arch)
@@ -107,6 +118,7 @@ def build(cache: Path | None = None) -> Path:
             return out
         Path(tmp).unlink(missing_ok=True)
         errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-2000:]}")
+    failed.write_text("\n".join(errors) + "\n")
     raise FusedBuildError("building the fused kernels failed:\n" + "\n".join(errors))
 
 
@@ -292,7 +304,7 @@ def softmax_xent_bf16_(logits: Tensor, labels: Tensor, denom: float | None) -> T
 def main() -> int:
     """Builds the kernels now (``make setup`` runs it) and prints where, or why not."""
     try:
-        path = build()
+        path = build(retry=True)
     except FusedBuildError as exc:
         print(f"fused kernels not built; training uses torch ops instead.\n{exc}")
         return 0  # not an error: the fallback computes the same math

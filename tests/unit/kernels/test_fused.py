@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,17 @@ def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: 
     with pytest.raises(fused.FusedBuildError, match="building the fused kernels failed") as err:
         fused.build(tmp_path / "other")
     assert "false" in str(err.value)
-    assert list((tmp_path / "other").iterdir()) == []
+    (marker,) = (tmp_path / "other").iterdir()  # no library, no temporary file: the failure, with its output
+    assert marker.suffix == ".failed" and "false" in marker.read_text()
+    calls = []
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    with pytest.raises(fused.FusedBuildError, match="failed before"):  # the next process does not compile again
+        fused.build(tmp_path / "other")
+    assert calls == []
+    with pytest.raises(fused.FusedBuildError, match="building the fused kernels failed:"):
+        fused.build(tmp_path / "other", retry=True)  # make setup's way: try again
+    assert len(calls) == 2  # -march=native, then the generic target
 
 
 def test_switch_off_runs_the_torch_ops(monkeypatch) -> None:
