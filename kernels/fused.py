@@ -18,6 +18,7 @@ bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us; RoPE 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -85,8 +86,9 @@ def _library_path(cache: Path, cxx: str, flags: list[str]) -> Path:
 
 def build(cache: Path | None = None, *, retry: bool = False) -> Path:
     """Compiles ``fused_cpu.cpp`` into ``cache`` (default ``cache_dir()``) unless a build of this exact source,
-    torch, compiler and flags is there; returns the library's path. Concurrent builders each write a private file
-    and rename it into place, so a reader never sees half a library.
+    torch, compiler and flags is there; returns the library's path. Builders on one machine take turns (a lock
+    file in ``cache``), so a second process waits for the first one's library instead of compiling it again; each
+    writes a private file and renames it into place, so a reader never sees half a library.
 
     A failed build leaves a ``.failed`` file with the compiler's output next to where the library would be, and
     later calls raise at once instead of compiling again in every process (``retry=True``, as ``make setup`` passes,
@@ -100,6 +102,12 @@ def build(cache: Path | None = None, *, retry: bool = False) -> Path:
         raise FusedBuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
     cache = cache or cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
+    with (cache / "build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed builder's process ends
+        return _build_locked(cache, cxx, retry=retry)
+
+
+def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
     failed = _library_path(cache, cxx, _flags(False)).with_suffix(".failed")
     if failed.exists() and not retry:
         raise FusedBuildError(f"building the fused kernels failed before (see {failed}):\n{failed.read_text()}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -176,20 +177,28 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
 
 
 @needs_compiler
+def _files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name != "build.lock")
+
+
 def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: Path, monkeypatch) -> None:
-    first = fused.build(tmp_path)
+    calls = []
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    with ThreadPoolExecutor(2) as pool:  # two builders at once: the second waits for the first one's library
+        first, second = pool.map(lambda _: fused.build(tmp_path), range(2))
+    assert first == second and len(calls) == 1
     stamp = first.stat().st_mtime_ns
     assert fused.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not compiled again
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+    assert len(calls) == 1
+    assert _files(tmp_path) == [first.name]  # no temporary file left behind
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     with pytest.raises(fused.FusedBuildError, match="building the fused kernels failed") as err:
         fused.build(tmp_path / "other")
     assert "false" in str(err.value)
-    (marker,) = (tmp_path / "other").iterdir()  # no library, no temporary file: the failure, with its output
-    assert marker.suffix == ".failed" and "false" in marker.read_text()
-    calls = []
-    real_run = subprocess.run
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    (marker,) = _files(tmp_path / "other")  # no library, no temporary file: the failure, with its output
+    assert marker.endswith(".failed") and "false" in (tmp_path / "other" / marker).read_text()
+    calls.clear()
     with pytest.raises(fused.FusedBuildError, match="failed before"):  # the next process does not compile again
         fused.build(tmp_path / "other")
     assert calls == []
