@@ -92,11 +92,11 @@ class _LoRAFrozenFn(torch.autograd.Function):
         d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
         dx = None
         if fut is not None:
-            dx_lora = (g @ lora_a).mul_(s)
-            if mask is not None:
-                dx_lora.mul_(mask)
             dx = fut.result()
-            dx.add_(dx_lora)
+            if mask is None:
+                dx.addmm_(g, lora_a, alpha=s)  # the LoRA part added by the GEMM itself: no [T, in] temporary
+            else:
+                dx.add_((g @ lora_a).mul_(s).mul_(mask))
             dx = dx.reshape(ctx.in_shape)
         return dx, d_a, d_b, None, None, None, None, None
 
