@@ -148,7 +148,7 @@ def cpu_bf16() -> CpuFeature:
 
     Without it torch's bf16 matmul converts in software and is slower than fp32, so bf16 is not offered.
     """
-    flags, err = _cpu_flags()
+    flags, err = cpu_flags()
     if err:
         return CpuFeature(False, err)
     machine = platform.machine()
@@ -165,7 +165,7 @@ def cpu_int8() -> CpuFeature:
     """Detects native int8 dot products once: x86 AVX512-VNNI, AVX-VNNI or AMX-INT8; ARM ``asimddp`` (SDOT) or
     ``i8mm`` (SMMLA). torch's int8 GEMM (``torch._int_mm``) runs ~1.7x faster than its bf16 GEMM with them (SmolLM2
     block shapes, 256 rows, Zen 5) and has no fast path without them."""
-    flags, err = _cpu_flags()
+    flags, err = cpu_flags()
     if err:
         return CpuFeature(False, err)
     machine = platform.machine()
@@ -184,7 +184,8 @@ def native_on_this_cpu(precision: str) -> CpuFeature:
     return CpuFeature(False, f"{precision} has no native CPU path")
 
 
-def _cpu_flags() -> tuple[set[str], str]:
+def cpu_flags() -> tuple[set[str], str]:
+    """This CPU's feature flags from /proc/cpuinfo (x86 ``flags``, ARM ``Features``), and why they are empty if so."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

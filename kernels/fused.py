@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lorad.kernels.capabilities import cpu_flags
+
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("fused_cpu.cpp")
@@ -77,8 +79,11 @@ def _flags(arch: bool) -> list[str]:
 
 
 def _library_path(cache: Path, cxx: str, flags: list[str]) -> Path:
+    """Where the build of this source, torch, compiler, flags and CPU lives: -march=native code for one CPU must not
+    load on another (a home directory on two machines, a VM moved to another host) where it could fault."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(), " ".join(flags).encode()):
+    cpu = " ".join(sorted(cpu_flags()[0]))
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(), " ".join(flags).encode(), cpu.encode()):
         key.update(part)
         key.update(b"\0")
     return cache / f"lorad_fused-{platform.machine()}-{key.hexdigest()[:16]}.so"

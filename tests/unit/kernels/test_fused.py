@@ -207,6 +207,15 @@ def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: 
     assert len(calls) == 2  # -march=native, then the generic target
 
 
+def test_a_build_for_one_cpu_is_not_loaded_on_another(tmp_path: Path, monkeypatch) -> None:
+    """-march=native code: the cache key holds the CPU's feature flags (a home directory shared by two machines, a VM
+    moved to another host)."""
+    flags = fused._flags(True)
+    here = fused._library_path(tmp_path, "c++", flags)
+    monkeypatch.setattr(fused, "cpu_flags", lambda: ({"sse2", "avx2"}, ""))
+    assert fused._library_path(tmp_path, "c++", flags) != here
+
+
 def test_switch_off_runs_the_torch_ops(monkeypatch) -> None:
     monkeypatch.setenv(fused.ENV_SWITCH, "0")
     assert fused._load() is None
