@@ -1,14 +1,16 @@
 """Fused CPU kernels for the training step's elementwise chains, with the torch ops they replace as the fallback.
 
-``fused_cpu.cpp`` is compiled once per machine with the system C++ compiler against the installed torch (about 6 s),
-cached under ``cache_dir()`` by a hash of the source, torch version, compiler and flags, and loaded as torch ops
-(``torch.ops.lorad_fused``). ``make setup`` builds it; a process that finds no build compiles it on first use. Where it
+``fused_cpu.cpp`` is compiled once per machine with the system C++ compiler against the installed torch (6-10 s),
+cached under ``cache_dir()`` by a hash of the source, torch version, compiler, flags and CPU features, and loaded as
+torch ops (``torch.ops.lorad_fused``). ``make setup`` builds it; a process that finds no build compiles it when its
+first model is built. Where it
 cannot be built (no compiler, an unexpected toolchain) or ``LORAD_FUSED_KERNELS=0``, every function here computes the
 same math with torch ops: the numbers differ by float rounding only (the kernels' exp is a polynomial, their sums run
 in another order), and each path gives the same bits when called twice on the same operands, which is what the
 training nodes need to recompute instead of saving.
 
-SmolLM2 at 256 tokens on the AMX Xeon, 16 paired interleaved steps: 411 -> 382 ms a step. In isolation (2 threads,
+SmolLM2 at 256 tokens on the AMX Xeon, 16 paired interleaved steps: 411 -> 382 ms a step for the norm and SwiGLU
+kernels. In isolation (2 threads,
 one layer's shapes): RMSNorm forward with its bf16 copy 66 -> 24 us, backward 95 -> 39 us, SwiGLU forward with its
 bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us; RoPE of q into bf16 57 -> 19 us and back
 82 -> 21 us (-7 ms a step in 16 pairs); the loss's softmax over ~200 bf16 logit rows of 49,152 words 8.5 -> 4.2 ms

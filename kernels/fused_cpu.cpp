@@ -45,9 +45,11 @@ inline float from_bf16(uint16_t b) {
 }
 
 // e^x for x in float range, ~1 ulp (Cephes' expf polynomial on a range-reduced argument, 2^n set through the exponent
-// bits). Inputs are clamped to [-87.3, 88.7] (the results stay finite and normal); NaN stays NaN.
+// bits). Below -87.3 the result is 0 (e^x is under float's smallest normal there); above 88.3 it stays at e^88.3, so
+// 2^n is always a normal float; NaN stays NaN.
 inline float exp_poly(float x) {
-  x = x > 88.7f ? 88.7f : x;
+  const bool underflow = x < -87.3f;
+  x = x > 88.3f ? 88.3f : x;
   x = x < -87.3f ? -87.3f : x;
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
@@ -62,10 +64,16 @@ inline float exp_poly(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+  return underflow ? 0.0f : y * scale;
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
+// 1 / (1 + e^-x) from e^-|x| <= 1, which never overflows: exactly 0 and 1 far out, so silu(x) = x·sigmoid(x) is -0
+// and x there, as torch's is.
+inline float sigmoid(float x) {
+  const float e = exp_poly(x < 0.0f ? x : -x);
+  const float inv = 1.0f / (1.0f + e);
+  return x < 0.0f ? e * inv : inv;
+}
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");

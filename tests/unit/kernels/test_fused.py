@@ -141,6 +141,16 @@ def test_softmax_cross_entropy_over_bf16_logits_matches_torch(ops: object) -> No
         k.softmax_xent_bf16_(logits.clone(), torch.cat([labels[:36], torch.tensor([1000])]), 1.0)  # type: ignore[union-attr]
 
 
+def test_swiglu_stays_finite_far_out(ops: object) -> None:
+    """silu(x) = x·sigmoid(x) for |x| beyond exp's float range: x for large x, (-)0 for very negative x, no NaN."""
+    gate = torch.tensor([[-1e30, -200.0, -90.0, -88.5, 88.5, 90.0, 200.0, 1e30]])
+    up = torch.ones_like(gate)
+    act, _ = fused.swiglu_forward(gate, up)
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate), rtol=1e-6, atol=1e-30)
+    d_gu, _ = fused.swiglu_backward(torch.ones_like(gate), gate, up)
+    assert torch.isfinite(d_gu).all()
+
+
 def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
     t = _operands(rows=301, cols=576)
     before = torch.get_num_threads()
