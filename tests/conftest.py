@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from lorad.kernels import fused
 from tests.fixtures.tiny_hf import save_tiny_hf
+
+# Daemons and CLIs the tests start with a temporary HOME would each compile the fused kernels into it; this run's
+# cache (the one make setup filled) is handed down to them instead.
+os.environ.setdefault(fused.ENV_CACHE, str(fused.cache_dir()))
 
 
 @pytest.fixture(scope="session")
