@@ -92,6 +92,19 @@ void check_weight(const at::Tensor& w, int64_t cols) {
               w.scalar_type());
 }
 
+void check_rstd(const at::Tensor& rstd, int64_t rows) {
+  TORCH_CHECK(rstd.numel() == rows && rstd.is_contiguous() && rstd.scalar_type() == at::kFloat,
+              "rstd must hold one float32 per row (", rows, "), got ", rstd.sizes(), " ", rstd.scalar_type());
+}
+
+void check_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t D) {
+  for (const at::Tensor* tab : {&cos, &sin}) {
+    TORCH_CHECK(tab->dim() == 2 && tab->size(0) == T && tab->size(1) == D && tab->is_contiguous() &&
+                    tab->scalar_type() == at::kFloat,
+                "cos and sin must be contiguous float32 [", T, ", ", D, "] tables, got ", tab->sizes());
+  }
+}
+
 uint16_t* bf16_data(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // y = x·rstd·w with rstd = 1/sqrt(mean(x²) + eps) per row, rstd [R, 1], and (when asked) y as bfloat16; the second
@@ -141,8 +154,7 @@ at::Tensor rms_norm_apply(const at::Tensor& x, const at::Tensor& rstd, const at:
   check_rows(x, "x");
   const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0);
   check_weight(w, C);
-  TORCH_CHECK(rstd.numel() == R && rstd.is_contiguous() && rstd.scalar_type() == at::kFloat,
-              "rstd must hold one float32 per row");
+  check_rstd(rstd, R);
   at::Tensor y = at::empty({R, C}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -167,8 +179,7 @@ at::Tensor rms_norm_bwd(const at::Tensor& g, const at::Tensor& x, const at::Tens
   check_same(x, g, "g");
   const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0), ldg = g.stride(0);
   check_weight(w, C);
-  TORCH_CHECK(rstd.numel() == R && rstd.is_contiguous() && rstd.scalar_type() == at::kFloat,
-              "rstd must hold one float32 per row");
+  check_rstd(rstd, R);
   at::Tensor dx = at::empty({R, C}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
@@ -277,11 +288,7 @@ at::Tensor rope_bf16_fwd(const at::Tensor& x, const at::Tensor& cos, const at::T
               "x must be a float32 [B, T, H, D] tensor with contiguous D, got ", x.sizes(), " ", x.scalar_type());
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
-  for (const at::Tensor* tab : {&cos, &sin}) {
-    TORCH_CHECK(tab->dim() == 2 && tab->size(0) == T && tab->size(1) == D && tab->is_contiguous() &&
-                    tab->scalar_type() == at::kFloat,
-                "cos and sin must be contiguous float32 [", T, ", ", D, "] tables, got ", tab->sizes());
-  }
+  check_tables(cos, sin, T, D);
   at::Tensor y = at::empty({B, H, T, D}, x.options().dtype(at::kBFloat16));
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -312,11 +319,7 @@ at::Tensor rope_bf16_bwd(const at::Tensor& g, const at::Tensor& cos, const at::T
               "g must be a contiguous bfloat16 [B, H, T, D] tensor, got ", g.sizes(), " ", g.scalar_type());
   const int64_t B = g.size(0), H = g.size(1), T = g.size(2), D = g.size(3), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
-  for (const at::Tensor* tab : {&cos, &sin}) {
-    TORCH_CHECK(tab->dim() == 2 && tab->size(0) == T && tab->size(1) == D && tab->is_contiguous() &&
-                    tab->scalar_type() == at::kFloat,
-                "cos and sin must be contiguous float32 [", T, ", ", D, "] tables, got ", tab->sizes());
-  }
+  check_tables(cos, sin, T, D);
   at::Tensor dx = at::empty({B, T, H, D}, g.options().dtype(at::kFloat));
   const uint16_t* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
   const float* cp = cos.data_ptr<float>();
