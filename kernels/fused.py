@@ -47,7 +47,8 @@ ENV_CACHE = "LORAD_KERNEL_CACHE"  # where builds are kept; default ~/.cache/lora
 
 
 class FusedBuildError(RuntimeError):
-    """The kernels could not be compiled or loaded; the message holds the compiler's command and output."""
+    """The kernels could not be compiled (now or in an earlier process); the message holds the compiler's command and
+    output."""
 
 
 def cache_dir() -> Path:
@@ -166,17 +167,14 @@ def _load() -> Any | None:
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Runs the block with the torch fallback (tests compare the two paths); not for use inside a training step."""
+    saved = kernels()  # decided first, so there is always a decision to put back
     with _lock:
-        saved = _state.get("ops", _state)
         _state["ops"] = None
     try:
         yield
     finally:
         with _lock:
-            if saved is _state:
-                _state.pop("ops", None)
-            else:
-                _state["ops"] = saved
+            _state["ops"] = saved
 
 
 def _rows_ok(*ts: Tensor) -> bool:
