@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,45 @@ def swiglu_backward(
     torch.mul(d_act, F.silu(gate), out=dgu[:, f:])
     dgu[:, :f] = torch.ops.aten.silu_backward(d_act * up, gate)  # fused dy·s·(1 + x·(1 − s))
     return dgu, (dgu.to(torch.bfloat16) if want_bf16 else None)
+
+
+def lora_gate_up(prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float) -> tuple[Tensor, Tensor]:
+    """Gate and up in float32 from their bf16 products ``prods`` [R, F] and LoRA terms: ``float(p) + s·h_i·B_iᵀ``
+    with ``B_i`` in ``bs`` and ``h`` [R, rg + ru] holding both members' ``x·A_iᵀ`` side by side (torch ops; the
+    kernels never materialise gate and up)."""
+    (pg, pu), (bg, bu) = prods, bs
+    rg = bg.shape[1]
+    gate = pg.float().addmm_(h[:, :rg], bg.t(), alpha=scaling)
+    up = pu.float().addmm_(h[:, rg:], bu.t(), alpha=scaling)
+    return gate, up
+
+
+def lora_swiglu_forward(
+    prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float, want_bf16: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """``(silu(gate)·up, the same as bf16 or None)`` with gate and up as ``lora_gate_up`` gives them: one pass over
+    the bf16 products where the kernels run (gate and up exist a tile of rows at a time), else ``lora_gate_up`` and
+    ``swiglu_forward``."""
+    ops = kernels()
+    if ops is not None:
+        act, actb = ops.lora_swiglu_fwd(*prods, h, *bs, float(scaling), want_bf16)
+        return act, (actb if want_bf16 else None)
+    return swiglu_forward(*lora_gate_up(prods, h, bs, scaling=scaling), want_bf16=want_bf16)
+
+
+def lora_swiglu_backward(
+    d_act: Tensor, prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float, want_bf16: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``swiglu_backward``'s ``[d_gate | d_up]`` (and its bf16 copy or None) for ``lora_swiglu_forward``'s operands,
+    plus its ``act`` again, bit for bit (down_proj's dA multiplies it)."""
+    ops = kernels()
+    if ops is not None:
+        dgu, dgub, act = ops.lora_swiglu_bwd(d_act, *prods, h, *bs, float(scaling), want_bf16)
+        return dgu, (dgub if want_bf16 else None), act
+    gate, up = lora_gate_up(prods, h, bs, scaling=scaling)
+    act, _ = swiglu_forward(gate, up)
+    dgu, dgub = swiglu_backward(d_act, gate, up, want_bf16=want_bf16)
+    return dgu, dgub, act
 
 
 def rope_bf16_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

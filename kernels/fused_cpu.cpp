@@ -16,11 +16,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -281,6 +283,189 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& d_act, const at:
 }
 
 
+// The LoRA operands of a gate/up pair: each bf16 product [R, F] (contiguous columns, any row stride), the stacked
+// h = x·[A_gate; A_up]ᵀ [R, rg + ru] (any strides) and each B [F, r] as [r, Fp] rows, zero-padded to whole tiles.
+constexpr int64_t kTileRows = 8;   // rows of one LoRA micro-tile
+constexpr int64_t kTileCols = 32;  // columns of one LoRA micro-tile: two vectors of 16 floats
+constexpr int64_t kChunkCols = 256;  // columns a tile's gate and up go through at a time (16 kB, in L1)
+typedef float v16 __attribute__((vector_size(64)));  // GCC lowers it to the machine's own vectors (AVX-512, NEON)
+
+struct LoraPair {
+  const uint16_t* pg;
+  const uint16_t* pu;
+  int64_t ldg, ldu;
+  const float* h;
+  int64_t hs0, hs1, rg, ru;
+  std::vector<float> bgT, buT;  // [r, Fp]
+  float s;
+  int64_t R, F, Fp;
+};
+
+std::vector<float> transposed(const at::Tensor& b, int64_t Fp) {
+  const int64_t F = b.size(0), r = b.size(1);
+  const at::Tensor bc = b.contiguous();
+  const float* bp = bc.data_ptr<float>();
+  std::vector<float> out(static_cast<size_t>(Fp * r), 0.0f);
+  for (int64_t c = 0; c < F; ++c) {
+    for (int64_t k = 0; k < r; ++k) out[static_cast<size_t>(k * Fp + c)] = bp[c * r + k];
+  }
+  return out;
+}
+
+LoraPair lora_pair(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor& h, const at::Tensor& bg,
+                   const at::Tensor& bu, double s) {
+  for (const at::Tensor* p : {&pg, &pu}) {
+    TORCH_CHECK(p->dim() == 2 && p->scalar_type() == at::kBFloat16 && (p->stride(1) == 1 || p->size(1) <= 1),
+                "gate and up products must be bfloat16 matrices with contiguous columns, got ", p->sizes(), " ",
+                p->scalar_type());
+  }
+  check_same(pg, pu, "up's product");
+  const int64_t R = pg.size(0), F = pg.size(1), Fp = (F + kTileCols - 1) / kTileCols * kTileCols;
+  for (const at::Tensor* b : {&bg, &bu}) {
+    TORCH_CHECK(b->dim() == 2 && b->size(0) == F && b->scalar_type() == at::kFloat,
+                "lora_B must be a float32 [", F, ", r] matrix, got ", b->sizes(), " ", b->scalar_type());
+  }
+  const int64_t rg = bg.size(1), ru = bu.size(1);
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == R && h.size(1) == rg + ru && h.scalar_type() == at::kFloat,
+              "h must be a float32 [", R, ", ", rg + ru, "] matrix, got ", h.sizes(), " ", h.scalar_type());
+  return LoraPair{reinterpret_cast<const uint16_t*>(pg.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(pu.data_ptr<at::BFloat16>()),
+                  pg.stride(0), pu.stride(0), h.data_ptr<float>(), h.stride(0), h.stride(1), rg, ru,
+                  transposed(bg, Fp), transposed(bu, Fp), static_cast<float>(s), R, F, Fp};
+}
+
+// out[i, c0 : c0 + 32] = Σ_k h[i][k]·bT[k, c0 : c0 + 32] for the tile's rows i (k in order; out's rows are Fp apart),
+// the 8 x 32 sums held in registers while k runs.
+__attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, int64_t rank, const float* bT, int64_t Fp, int64_t c0, float* out) {
+  v16 acc[kTileRows][2];
+  for (int64_t i = 0; i < kTileRows; ++i) acc[i][0] = acc[i][1] = v16{};
+  for (int64_t k = 0; k < rank; ++k) {
+    v16 b0, b1;
+    std::memcpy(&b0, bT + k * Fp + c0, sizeof b0);
+    std::memcpy(&b1, bT + k * Fp + c0 + 16, sizeof b1);
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      const float hk = hrows[i * rank + k];
+      acc[i][0] += hk * b0;
+      acc[i][1] += hk * b1;
+    }
+  }
+  for (int64_t i = 0; i < kTileRows; ++i) {
+    std::memcpy(out + i * Fp + c0, &acc[i][0], sizeof(v16));
+    std::memcpy(out + i * Fp + c0 + 16, &acc[i][1], sizeof(v16));
+  }
+}
+
+// Gate, up and act = silu(gate)·up for the row tile starting at r0 (rows past R are skipped): gate and up into
+// [kTileRows, Fp] buffers, act into rows F apart; gate = float(product) + s·h·Bᵀ, up likewise. Not inlined: the
+// forward and the backward kernel run this one function, so the backward sees the forward's bits.
+__attribute__((noinline)) void lora_swiglu_tile(const LoraPair& p, int64_t r0, float* g, float* u, float* act) {
+  const int64_t F = p.F, Fp = p.Fp, nr = std::min(kTileRows, p.R - r0);
+  std::vector<float> hg(static_cast<size_t>(kTileRows * p.rg)), hu(static_cast<size_t>(kTileRows * p.ru));
+  for (int64_t i = 0; i < kTileRows; ++i) {  // the tile's h rows, zeros past R
+    const float* hr = p.h + (r0 + i) * p.hs0;
+    for (int64_t k = 0; k < p.rg; ++k) hg[static_cast<size_t>(i * p.rg + k)] = i < nr ? hr[k * p.hs1] : 0.0f;
+    for (int64_t k = 0; k < p.ru; ++k) hu[static_cast<size_t>(i * p.ru + k)] = i < nr ? hr[(p.rg + k) * p.hs1] : 0.0f;
+  }
+  const float s = p.s;
+  for (int64_t c1 = 0; c1 < Fp; c1 += kChunkCols) {  // the sums of a chunk, then its epilogue while it is in L1
+    const int64_t c2 = std::min(Fp, c1 + kChunkCols), ce = std::min(F, c2);
+    for (int64_t c0 = c1; c0 < c2; c0 += kTileCols) {
+      lora_tile_sums(hg.data(), p.rg, p.bgT.data(), Fp, c0, g);
+      lora_tile_sums(hu.data(), p.ru, p.buT.data(), Fp, c0, u);
+    }
+    for (int64_t i = 0; i < nr; ++i) {
+      const uint16_t* pgr = p.pg + (r0 + i) * p.ldg;
+      const uint16_t* pur = p.pu + (r0 + i) * p.ldu;
+      float* gr = g + i * Fp;
+      float* ur = u + i * Fp;
+      float* ar = act + i * F;
+#pragma omp simd
+      for (int64_t c = c1; c < ce; ++c) {
+        const float gv = from_bf16(pgr[c]) + s * gr[c];
+        const float uv = from_bf16(pur[c]) + s * ur[c];
+        gr[c] = gv;
+        ur[c] = uv;
+        ar[c] = gv * sigmoid(gv) * uv;
+      }
+    }
+  }
+}
+
+// act = silu(gate)·up [R, F] with gate and up rebuilt from their bf16 products and LoRA terms, and (when asked) act as
+// bfloat16; the second tensor is empty otherwise. Gate and up exist only a tile of rows at a time.
+std::tuple<at::Tensor, at::Tensor> lora_swiglu_fwd(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor& h,
+                                                   const at::Tensor& bg, const at::Tensor& bu, double s,
+                                                   bool want_bf16) {
+  const LoraPair p = lora_pair(pg, pu, h, bg, bu, s);
+  const int64_t R = p.R, F = p.F, tiles = (R + kTileRows - 1) / kTileRows;
+  at::Tensor act = at::empty({R, F}, h.options());
+  at::Tensor actb = at::empty({want_bf16 ? R : 0, F}, h.options().dtype(at::kBFloat16));
+  float* ap = act.data_ptr<float>();
+  uint16_t* bp = want_bf16 ? bf16_data(actb) : nullptr;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, grain_rows(2 * F) / kTileRows), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(2 * kTileRows * p.Fp));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kTileRows, nr = std::min(kTileRows, R - r0);
+      float* tile_act = ap + r0 * F;
+      lora_swiglu_tile(p, r0, buf.data(), buf.data() + kTileRows * p.Fp, tile_act);
+      if (bp != nullptr) {
+        uint16_t* br = bp + r0 * F;
+#pragma omp simd
+        for (int64_t c = 0; c < nr * F; ++c) br[c] = to_bf16(tile_act[c]);
+      }
+    }
+  });
+  return {act, actb};
+}
+
+// The backward of lora_swiglu_fwd for d_act [R, F]: [d_gate | d_up] [R, 2F] in float32 and (when asked) bfloat16, as
+// swiglu_bwd gives them, and act again (the forward's bits), which down_proj's dA multiplies.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd(const at::Tensor& d_act, const at::Tensor& pg,
+                                                               const at::Tensor& pu, const at::Tensor& h,
+                                                               const at::Tensor& bg, const at::Tensor& bu, double s,
+                                                               bool want_bf16) {
+  const LoraPair p = lora_pair(pg, pu, h, bg, bu, s);
+  check_rows(d_act, "d_act");
+  TORCH_CHECK(d_act.size(0) == p.R && d_act.size(1) == p.F, "d_act has shape ", d_act.sizes(), ", expected [", p.R,
+              ", ", p.F, "]");
+  const int64_t R = p.R, F = p.F, ldd = d_act.stride(0), tiles = (R + kTileRows - 1) / kTileRows;
+  at::Tensor dgu = at::empty({R, 2 * F}, h.options());
+  at::Tensor dgub = at::empty({want_bf16 ? R : 0, 2 * F}, h.options().dtype(at::kBFloat16));
+  at::Tensor act = at::empty({R, F}, h.options());
+  const float* dp = d_act.data_ptr<float>();
+  float* op = dgu.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  uint16_t* bp = want_bf16 ? bf16_data(dgub) : nullptr;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, grain_rows(2 * F) / kTileRows), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(2 * kTileRows * p.Fp));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kTileRows, nr = std::min(kTileRows, R - r0);
+      lora_swiglu_tile(p, r0, buf.data(), buf.data() + kTileRows * p.Fp, ap + r0 * F);
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        const float* gr = buf.data() + i * p.Fp;
+        const float* ur = buf.data() + (kTileRows + i) * p.Fp;
+        const float* dr = dp + r * ldd;
+        float* og = op + r * 2 * F;
+        float* ou = og + F;
+#pragma omp simd
+        for (int64_t c = 0; c < F; ++c) {
+          const float g = gr[c];
+          const float sg = sigmoid(g);
+          og[c] = dr[c] * ur[c] * (sg * (1.0f + g * (1.0f - sg)));
+          ou[c] = dr[c] * (g * sg);
+        }
+        if (bp != nullptr) {
+          uint16_t* br = bp + r * 2 * F;
+#pragma omp simd
+          for (int64_t c = 0; c < 2 * F; ++c) br[c] = to_bf16(og[c]);
+        }
+      }
+    }
+  });
+  return {dgu, dgub, act};
+}
+
 // RoPE of x [B, T, H, D] (float32, any strides with contiguous D) into contiguous bfloat16 [B, H, T, D]: with halves
 // x1, x2 and the tables' rows c, s at position t, y1 = x1·c1 − x2·s1 and y2 = x2·c2 + x1·s2, rounded once.
 at::Tensor rope_bf16_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -395,6 +580,12 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("rms_norm_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor", &rms_norm_bwd);
   m.def("swiglu_fwd(Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_fwd);
   m.def("swiglu_bwd(Tensor d_act, Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_bwd);
+  m.def("lora_swiglu_fwd(Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, bool want_bf16) -> (Tensor, "
+        "Tensor)",
+        &lora_swiglu_fwd);
+  m.def("lora_swiglu_bwd(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, "
+        "bool want_bf16) -> (Tensor, Tensor, Tensor)",
+        &lora_swiglu_bwd);
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);

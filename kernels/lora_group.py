@@ -85,13 +85,40 @@ def finish_forward(
     written ``[Σr, in]·[in, T]`` (transposed view back): MKL's fp32 GEMM runs the thin ``[T, K]·[K, r]`` layout at
     4-20x the time (see ``lora._LoRAFrozenFn``).
     """
-    a_cat = torch.cat([m.lora_A for m in members]).detach()
-    h = (a_cat @ x2.t()).t()  # [T, Σr], a transposed view of a contiguous [Σr, T]
+    h = lora_rows(members, x2)
     ys = [
         _add_lora(m, f.result() if isinstance(f, Future) else f, h, o)
         for m, f, o in zip(members, frozen, _offsets(members), strict=True)
     ]
     return ys, h
+
+
+def lora_rows(members: Sequence[LoRALinear], x2: Tensor) -> Tensor:
+    """The stacked ``h = x·[A_1; …]ᵀ`` [T, Σr] of rows ``x2`` [T, in], written ``[Σr, in]·[in, T]`` (a transposed
+    view of a contiguous [Σr, T]: MKL runs the thin ``[T, K]·[K, r]`` layout at 4-20x the time)."""
+    a_cat = torch.cat([m.lora_A for m in members]).detach()
+    return (a_cat @ x2.t()).t()
+
+
+def bf16_products(members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | None = None) -> list[Tensor] | None:
+    """Each member's frozen product ``x·W_iᵀ`` [T, out_i] as the bf16 GEMM returns it (column blocks of one product
+    when the weights are stacked), or None unless every member's forward is a bias-free torch bf16 GEMM: then the
+    member's output is ``float(product) + s·h_i·B_iᵀ``, which a consumer may compute in its own pass
+    (``kernels.fused.lora_swiglu_forward``) instead of widening and updating [T, out_i] fp32 tensors."""
+    gemms = [_bf16_gemm(m) for m in members]
+    if not all(g is not None and g.bias is None for g in gemms):
+        return None
+    joint = _joint(members)
+    if joint is not None:
+        prod = _joint_product(joint, x2, x2_bf16)
+        return [prod[:, o : o + m.out_features] for m, o in zip(members, _column_offsets(members), strict=True)]
+    rows = x2 if x2_bf16 is None else x2_bf16
+    return [g.bf16_product(rows) for g in gemms if g is not None]
+
+
+def _column_offsets(members: Sequence[LoRALinear]) -> list[int]:
+    """Each member's first column in a product of the members side by side."""
+    return list(itertools.accumulate((m.out_features for m in members[:-1]), initial=0))
 
 
 def forward_keeping_products(
@@ -164,11 +191,27 @@ def backward(
 ) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
     """(dX [T, in] or None, [dA_i], [dB_i]) for output gradients ``dys`` [T, out_i] (fp32, contiguous columns).
 
-    dX sums every member's frozen input gradient (queued first, so an NPU computes while the CPU does the rest) and
-    one ``[T, Σr]·[Σr, in]`` LoRA term; dA comes from one ``[Σr, T]·[T, in]`` product. ``dys_bf16``, the output
-    gradients already side by side in bf16 [T, Σout] (the fused SwiGLU backward writes them), is what the stacked
-    members' input-gradient GEMM then takes as it is.
+    ``backward_parts`` and then ``a_grads``: dX sums every member's frozen input gradient and one ``[T, Σr]·[Σr, in]``
+    LoRA term; dA comes from one ``[Σr, T]·[T, in]`` product. ``dys_bf16``, the output gradients already side by side
+    in bf16 [T, Σout] (the fused SwiGLU backward writes them), is what the stacked members' input-gradient GEMM then
+    takes as it is.
     """
+    dx, g, d_b = backward_parts(members, h, dys, need_x=need_x, dys_bf16=dys_bf16)
+    return dx, a_grads(members, g, x2), d_b
+
+
+def backward_parts(
+    members: Sequence[LoRALinear],
+    h: Tensor,
+    dys: Sequence[Tensor],
+    *,
+    need_x: bool,
+    dys_bf16: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor, list[Tensor]]:
+    """``backward`` without the input rows: (dX or None, ``g`` = [Σr, T] whose row block i is ``(dy_i·B_i)ᵀ``,
+    [dB_i]); ``a_grads(members, g, x2)`` gives dA. For a node whose input rows are only known after dX (the MLP's
+    ``act``, recomputed by the pass that also takes d_act). The frozen input gradients are queued first, so an NPU
+    computes them while the CPU does the rest."""
     s = members[0].scaling
     joint = _joint(members) if need_x else None
     futs = []
@@ -176,14 +219,11 @@ def backward(
         # contiguous for backends that hand the rows to a runtime (column blocks of [d_gate | d_up] are not)
         futs = [m.queue.submit(m.frozen.input_grad, dy.contiguous()) for m, dy in zip(members, dys, strict=True)]
     total_r = sum(m.rank for m in members)
-    g = torch.empty(total_r, x2.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
-    offsets = _offsets(members)
+    g = torch.empty(total_r, h.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
     d_b: list[Tensor] = []
-    for m, dy, o in zip(members, dys, offsets, strict=True):
+    for m, dy, o in zip(members, dys, _offsets(members), strict=True):
         torch.mm(m.lora_B.detach().t(), dy.t(), out=g[o : o + m.rank])
         d_b.append((h[:, o : o + m.rank].t() @ dy).t().mul_(s))
-    d_a_cat = (g @ x2).mul_(s)  # [Σr, in]
-    d_a = [d_a_cat[o : o + m.rank] for m, o in zip(members, offsets, strict=True)]
     dx = None
     if need_x:
         a_cat = torch.cat([m.lora_A for m in members]).detach()
@@ -194,7 +234,13 @@ def backward(
             for fut in futs[1:]:
                 dx.add_(fut.result())
         dx.addmm_(g.t(), a_cat, alpha=s)
-    return dx, d_a, d_b
+    return dx, g, d_b
+
+
+def a_grads(members: Sequence[LoRALinear], g: Tensor, x2: Tensor) -> list[Tensor]:
+    """[dA_i] from ``backward_parts``' ``g`` and the node's input rows ``x2`` [T, in]: one ``[Σr, T]·[T, in]``."""
+    d_a_cat = (g @ x2).mul_(members[0].scaling)  # [Σr, in]
+    return [d_a_cat[o : o + m.rank] for m, o in zip(members, _offsets(members), strict=True)]
 
 
 def normed_rows(

@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,6 +76,44 @@ def test_swiglu_matches_torch_on_column_blocks(ops: object) -> None:
     assert act_b is not None and torch.equal(act_b, act.to(torch.bfloat16))
     assert d_gu_b is not None and torch.equal(d_gu_b, d_gu.to(torch.bfloat16))
     assert torch.equal(fused.swiglu_forward(t["gate"], t["up"])[0], act)  # recomputation gives the same bits
+
+
+def _lora_operands(rows: int = 67, cols: int = 100, rg: int = 3, ru: int = 5, seed: int = 2) -> dict[str, Any]:
+    """Gate and up products as column blocks of one bf16 product (as the stacked GEMM returns it), a width that is no
+    multiple of the kernel's 32-column tiles, a row count that is no multiple of its 8-row tiles, two ranks, and h as
+    the transposed view ``lora_rows`` returns."""
+    g = torch.Generator().manual_seed(seed)
+    prod = (torch.randn(rows, 2 * cols, generator=g) * 3).to(torch.bfloat16)
+    return {
+        "pg": prod[:, :cols],
+        "pu": prod[:, cols:],
+        "h": (torch.randn(rg + ru, rows, generator=g) * 2).t(),
+        "bg": torch.randn(cols, rg, generator=g),
+        "bu": torch.randn(cols, ru, generator=g),
+        "s": 1.5,
+        "d": torch.randn(rows, cols, generator=g),
+    }
+
+
+def test_lora_swiglu_matches_torch_and_gives_the_backward_the_forwards_act(ops: object) -> None:
+    t = _lora_operands()
+    prods, bs, kw = (t["pg"], t["pu"]), (t["bg"], t["bu"]), {"scaling": t["s"]}
+    act, act_b = fused.lora_swiglu_forward(prods, t["h"], bs, **kw, want_bf16=True)
+    d_gu, d_gu_b, act_again = fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw, want_bf16=True)
+    with fused.disabled():
+        act_ref, _ = fused.lora_swiglu_forward(prods, t["h"], bs, **kw)
+        d_gu_ref, _, _ = fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw)
+    gate = (t["pg"].float() + t["s"] * t["h"][:, :3] @ t["bg"].t()).requires_grad_()
+    up = (t["pu"].float() + t["s"] * t["h"][:, 3:] @ t["bu"].t()).requires_grad_()
+    (torch.nn.functional.silu(gate) * up * t["d"]).sum().backward()
+    assert _rel(act, act_ref) < 1e-6 and _rel(d_gu, d_gu_ref) < 1e-6
+    assert _rel(act, (torch.nn.functional.silu(gate) * up).detach()) < 1e-6
+    assert _rel(d_gu[:, :100], gate.grad) < 1e-6 and _rel(d_gu[:, 100:], up.grad) < 1e-6
+    assert torch.equal(act_again, act)  # the backward's act is the forward's, bit for bit
+    assert torch.equal(fused.lora_swiglu_forward(prods, t["h"], bs, **kw)[0], act)
+    assert act_b is not None and torch.equal(act_b, act.to(torch.bfloat16))
+    assert d_gu_b is not None and torch.equal(d_gu_b, d_gu.to(torch.bfloat16))
+    assert fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw)[1] is None
 
 
 def test_bf16_copies_round_like_torch_at_the_edges(ops: object) -> None:
@@ -153,6 +192,8 @@ def test_swiglu_stays_finite_far_out(ops: object) -> None:
 
 def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
     t = _operands(rows=301, cols=576)
+    lo = _lora_operands(rows=301, cols=576, rg=8, ru=8)
+    lora_args = ((lo["pg"], lo["pu"]), lo["h"], (lo["bg"], lo["bu"]))
     before = torch.get_num_threads()
     outs = []
     try:
@@ -162,6 +203,7 @@ def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
                 (
                     *fused.rms_norm_forward(t["x"], t["w"], 1e-6, want_bf16=True),
                     *fused.swiglu_backward(t["d"], t["gate"], t["up"], want_bf16=True),
+                    *fused.lora_swiglu_backward(lo["d"], *lora_args, scaling=1.5, want_bf16=True),
                 )
             )
     finally:
@@ -181,6 +223,15 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
         k.swiglu_fwd(t["gate"], t["up"][:3], False)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="gate must have contiguous columns"):
         k.swiglu_bwd(t["d"], t["gate"].t(), t["up"], False)  # type: ignore[union-attr]
+    lo = _lora_operands()
+    with pytest.raises(RuntimeError, match="gate and up products must be bfloat16"):
+        k.lora_swiglu_fwd(lo["pg"].float(), lo["pu"], lo["h"], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"lora_B must be a float32 \[100, r\] matrix"):
+        k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"], lo["bg"][:7], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"h must be a float32 \[67, 8\] matrix"):
+        k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"][:, :7], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"d_act has shape \[67, 99\], expected \[67, 100\]"):
+        k.lora_swiglu_bwd(lo["d"][:, :99], lo["pg"], lo["pu"], lo["h"], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
     # The Python entry points take any layout: what the kernels cannot take goes to torch ops.
     act, _ = fused.swiglu_forward(t["gate"].t(), t["up"].t())
     torch.testing.assert_close(act, torch.nn.functional.silu(t["gate"].t()) * t["up"].t())
