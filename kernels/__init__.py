@@ -24,8 +24,8 @@ Overview (docs/design.md §2, docs/qnn_htp.md):
   the plan cached for (model hash, backend, candidates, budget, planner version, layers, extra key) or a new one;
   ``apply_plan(model, plan, weights, backend=)`` re-lowers a built model in place to a plan.
 - ``fused``: the elementwise chains around the GEMMs (RMSNorm, SwiGLU and RoPE both ways, the bf16 copies GEMMs read,
-  the loss's softmax over bf16 logits, gate/up's LoRA terms inside the SwiGLU) as one-pass C++ kernels compiled once per machine (``fused_cpu.cpp``), torch
-  ops where they cannot be built.
+  the loss's softmax over bf16 logits, gate/up's LoRA terms inside the SwiGLU) as one-pass C++ kernels compiled once
+  per machine (``fused_cpu.cpp``), torch ops where they cannot be built.
 - ``capabilities``: the one table of what each backend runs (validation, planner menu, status read it);
   ``costs.measure`` times each weight shape and precision once per machine for the planner's cost model.
 - ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.
