@@ -365,6 +365,7 @@ def device_status(m: device_pb2.GetDeviceStatusResponse) -> t.DeviceStatus:
             b.soc_model,
             b.htp_arch,
             tuple(t.BackendAvailability(BACKEND.py(a.backend), a.usable, a.detail) for a in b.available),
+            t.CpuKernels(b.cpu_kernels.active, b.cpu_kernels.detail),
         ),
         readings=t.DeviceReadings(
             _opt(r, "battery_percent"),

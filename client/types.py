@@ -491,6 +491,16 @@ class BackendAvailability:
 
 
 @dataclass(frozen=True)
+class CpuKernels:
+    """lorad's compiled CPU kernels (norms, SwiGLU with gate/up's LoRA terms, RoPE, the loss's softmax): whether
+    training runs them (else the same math runs as torch ops, ~10 % slower), and for the owner the library in use or
+    why not."""
+
+    active: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class BackendStatus:
     """The compute backend in use and why."""
 
@@ -499,6 +509,7 @@ class BackendStatus:
     soc_model: str
     htp_arch: str
     available: tuple[BackendAvailability, ...]
+    cpu_kernels: CpuKernels = CpuKernels(active=False)
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
 
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "ops": the loaded namespace or None, decided once per process
+_state: dict[str, Any] = {}  # "ops": the loaded namespace or None, decided once per process; "detail": path or why not
 
 
 def kernels() -> Any | None:
@@ -147,34 +147,59 @@ def kernels() -> Any | None:
     built (logged once, with the reason). Decided once per process: a training step never mixes the two paths."""
     with _lock:
         if "ops" not in _state:
-            _state["ops"] = _load()
+            _state["ops"], _state["detail"] = _load()
         return _state["ops"]
 
 
-def _load() -> Any | None:
+def _load() -> tuple[Any | None, str]:
+    """The kernels' namespace, or None; and the library's path, or why not."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         log.info("fused_kernels_off", reason=f"{ENV_SWITCH}=0")
-        return None
+        return None, f"off ({ENV_SWITCH}=0)"
     try:
         path = build()
         torch.ops.load_library(str(path))
     except (FusedBuildError, OSError, RuntimeError) as exc:
-        log.warning("fused_kernels_unavailable", error=str(exc).splitlines()[0], fallback="torch ops")
-        return None
-    return torch.ops.lorad_fused
+        reason = str(exc).splitlines()[0]
+        log.warning("fused_kernels_unavailable", error=reason, fallback="torch ops")
+        return None, f"unavailable: {reason}"
+    return torch.ops.lorad_fused, str(path)
+
+
+def describe() -> tuple[bool, str]:
+    """Whether this process's training steps run the kernels, and the library in use or why not, for status displays;
+    it never builds or loads anything. Before the process's first model decides (``kernels()``), it says whether a
+    build for this machine is ready."""
+    with _lock:
+        decided, ops, detail = "ops" in _state, _state.get("ops"), _state.get("detail", "")
+    if decided:
+        return ops is not None, (f"active ({detail})" if ops is not None else f"{detail}; torch ops run instead")
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False, f"off ({ENV_SWITCH}=0); torch ops run instead"
+    cxx = _compiler()
+    if cxx is None:
+        return False, "unavailable: no C++ compiler found (set CXX, or install g++ or clang++); torch ops run instead"
+    cache = cache_dir()
+    ready = [p for p in (_library_path(cache, cxx, _flags(arch)) for arch in (True, False)) if p.exists()]
+    if ready:
+        return False, f"not loaded yet: the first model loads {ready[0]}"
+    if _library_path(cache, cxx, _flags(False)).with_suffix(".failed").exists():
+        return False, f"unavailable: an earlier build failed (see {cache}); torch ops run instead"
+    return False, "not built yet: the first model compiles them (once per machine, about 10 s)"
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Runs the block with the torch fallback (tests compare the two paths); not for use inside a training step."""
-    saved = kernels()  # decided first, so there is always a decision to put back
+    kernels()  # decided first, so there is always a decision to put back
     with _lock:
-        _state["ops"] = None
+        saved = dict(_state)
+        _state.update(ops=None, detail="off (disabled in this block)")
     try:
         yield
     finally:
         with _lock:
-            _state["ops"] = saved
+            _state.update(saved)
 
 
 def _rows_ok(*ts: Tensor) -> bool:

@@ -260,6 +260,8 @@ def print_status(s: DeviceStatus, job: Job | None = None) -> None:
     print(f"backend   {b.backend.value}{soc}: {b.reason}")
     for av in b.available:
         print(f"          {av.backend.value}: {'usable' if av.usable else 'unusable'} {av.detail}".rstrip())
+    k = b.cpu_kernels
+    print(f"kernels   {k.detail or ('active' if k.active else 'inactive: torch ops run instead')}")
     temp = "unknown" if r.temperature_celsius is None else f"{r.temperature_celsius:.1f} °C"
     batt = "unknown" if r.battery_percent is None else f"{r.battery_percent}%"
     print(

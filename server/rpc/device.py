@@ -10,6 +10,7 @@ from typing import Any
 
 from grpc import aio
 
+from lorad.kernels import fused
 from lorad.server import disk
 from lorad.server.jobs.files import tree_size
 from lorad.server.records import JobState
@@ -42,6 +43,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                 for k, st in info.available.items()
             ],
         )
+        backend.cpu_kernels.active, detail = fused.describe()
+        if app_id is None:  # the detail names paths on the device
+            backend.cpu_kernels.detail = detail
         r = self.s.monitor.latest()
         if app_id is not None:  # an app sees which kind of probe, never a device path
             r = dataclasses.replace(r, source=re.sub(r":[^+]*", "", r.source))

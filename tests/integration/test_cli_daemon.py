@@ -71,7 +71,12 @@ def test_cli_session_against_real_daemon(make_daemon: Any, tmp_path: Path) -> No
     r = lorad(tmp_path, h, "status", "--json")
     s = json.loads(r.stdout)
     assert s["readings"]["charging"] is True and s["can_train"] is True
-    assert "training  allowed now" in lorad(tmp_path, h, "status").stdout
+    out = lorad(tmp_path, h, "status").stdout
+    assert "training  allowed now" in out
+    from lorad.kernels import fused  # the daemon runs in this process and trained above: decided the same way
+
+    assert ("kernels   active" if fused.kernels() is not None else "kernels   inactive") in out
+    assert s["backend"]["cpu_kernels"]["active"] is (fused.kernels() is not None)
 
     r = lorad(tmp_path, h, "app", "revoke", "notes")
     assert r.returncode == 0

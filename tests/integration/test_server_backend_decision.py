@@ -104,3 +104,18 @@ def test_status_create_job_and_runner_agree(make_daemon, tmp_path: Path, tiny_ll
     stored = s.jobs.get(job.job_id)
     assert s.runner.backend_for(stored)[0] == other
     assert s.runner.factory(SessionRequest(job.job_id, "notes", stored.spec, (), tmp_path / "w2")).backend.name == other
+
+
+def test_status_says_whether_the_cpu_kernels_run_and_only_the_owner_sees_where(make_daemon) -> None:
+    from lorad.kernels import fused
+
+    d = make_daemon()
+    ops = fused.kernels()  # the daemon runs in this process: its models decide the same way
+    owner = d.owner()
+    st = owner.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=owner.md).backend.cpu_kernels
+    assert st.active is (ops is not None)
+    assert st.detail == fused.describe()[1]
+    assert ("lorad_fused-" in st.detail) if ops is not None else ("torch ops run instead" in st.detail)
+    app, _ = d.register("notes")
+    st = app.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=app.md).backend.cpu_kernels
+    assert st.active is (ops is not None) and st.detail == ""  # the detail names paths on the device

@@ -279,7 +279,7 @@ def test_a_build_for_one_cpu_is_not_loaded_on_another(tmp_path: Path, monkeypatc
 
 def test_switch_off_runs_the_torch_ops(monkeypatch) -> None:
     monkeypatch.setenv(fused.ENV_SWITCH, "0")
-    assert fused._load() is None
+    assert fused._load() == (None, f"off ({fused.ENV_SWITCH}=0)")
 
 
 def _tiny_model(precision: str = "bf16") -> torch.nn.Module:
@@ -333,4 +333,33 @@ def test_build_model_decides_the_path_before_the_first_step(ops: object, monkeyp
     """The kernels are loaded (or built) when a model is built, so no training step pays for it."""
     monkeypatch.setattr(fused, "_state", {})
     _tiny_model()
-    assert fused._state == {"ops": ops}
+    assert fused._state["ops"] is ops and "lorad_fused-" in fused._state["detail"]
+
+
+def test_describe_says_what_runs_without_building_anything(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setenv(fused.ENV_CACHE, str(tmp_path))
+    if fused._compiler() is not None:
+        assert fused.describe() == (
+            False,
+            "not built yet: the first model compiles them (once per machine, about 10 s)",
+        )
+        assert list(tmp_path.iterdir()) == []  # nothing built, nothing loaded
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    assert fused.describe() == (False, f"off ({fused.ENV_SWITCH}=0); torch ops run instead")
+    assert fused.kernels() is None
+    assert fused.describe() == (False, f"off ({fused.ENV_SWITCH}=0); torch ops run instead")
+    monkeypatch.setattr(fused, "_compiler", lambda: None)
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.delenv(fused.ENV_SWITCH)
+    assert fused.describe()[1].startswith("unavailable: no C++ compiler found")
+    assert fused.kernels() is None
+    assert fused.describe() == (
+        False,
+        "unavailable: no C++ compiler found (set CXX, or install g++ or clang++); torch ops run instead",
+    )
+
+
+def test_describe_names_the_loaded_library(ops: object) -> None:
+    active, detail = fused.describe()
+    assert active and detail.startswith("active (") and "lorad_fused-" in detail
