@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ def build(cache: Path | None = None, *, retry: bool = False) -> Path:
 
 def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
     failed = _library_path(cache, cxx, _flags(False)).with_suffix(".failed")
+    _prune(cache, keep={failed, *(_library_path(cache, cxx, _flags(arch)) for arch in (True, False))})
     if failed.exists() and not retry:
         raise FusedBuildError(f"building the fused kernels failed before (see {failed}):\n{failed.read_text()}")
     errors = []
@@ -124,6 +126,8 @@ def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
         flags = _flags(arch)
         out = _library_path(cache, cxx, flags)
         if out.exists():
+            with contextlib.suppress(OSError):
+                os.utime(out)  # in use: what _prune goes by
             return out
         fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=cache)
         os.close(fd)
@@ -136,6 +140,22 @@ def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
         errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-2000:]}")
     failed.write_text("\n".join(errors) + "\n")
     raise FusedBuildError("building the fused kernels failed:\n" + "\n".join(errors))
+
+
+UNUSED_DAYS = 30  # a cached build no process has asked for in this long is deleted (another source, torch or CPU)
+
+
+def _prune(cache: Path, keep: set[Path]) -> None:
+    """Deletes what other builds left in ``cache``: libraries and failure records not used for ``UNUSED_DAYS`` (a
+    library's time is renewed whenever ``build`` finds it), and temporary files of builders that were killed (the
+    caller holds the build lock, so no builder is writing one). Best effort: a file that cannot go stays."""
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for p in cache.glob("lorad_fused-*"):
+        if p in keep:
+            continue
+        with contextlib.suppress(OSError):
+            if p.suffix == ".tmp" or p.stat().st_mtime < cutoff:
+                p.unlink()
 
 
 _lock = threading.Lock()

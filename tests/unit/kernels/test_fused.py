@@ -249,8 +249,8 @@ def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: 
     with ThreadPoolExecutor(2) as pool:  # two builders at once: the second waits for the first one's library
         first, second = pool.map(lambda _: fused.build(tmp_path), range(2))
     assert first == second and len(calls) == 1
-    stamp = first.stat().st_mtime_ns
-    assert fused.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not compiled again
+    inode = first.stat().st_ino
+    assert fused.build(tmp_path) == first and first.stat().st_ino == inode  # found, not compiled again
     assert len(calls) == 1
     assert _files(tmp_path) == [first.name]  # no temporary file left behind
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
@@ -266,6 +266,26 @@ def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: 
     with pytest.raises(fused.FusedBuildError, match="building the fused kernels failed:"):
         fused.build(tmp_path / "other", retry=True)  # make setup's way: try again
     assert len(calls) == 2  # -march=native, then the generic target
+
+
+def test_build_deletes_what_other_builds_left_unused(ops: object, tmp_path: Path) -> None:
+    import os
+    import shutil
+    import time
+
+    current = fused.build()
+    shutil.copy(current, tmp_path / current.name)  # this machine's library, already built
+    old = time.time() - (fused.UNUSED_DAYS + 1) * 86400
+    names = {"lorad_fused-x86_64-0000000000000000.so": old, "lorad_fused-x86_64-1111111111111111.failed": old,
+             "lorad_fused-x86_64-2222222222222222.so": time.time() - 86400, "lorad_fused-x86_64-3.abc.tmp": time.time(),
+             "notes.txt": old}  # fmt: skip
+    for name, mtime in names.items():
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, (mtime, mtime))
+    os.utime(tmp_path / current.name, (old, old))  # unused for long too, but it is the build this process wants
+    assert fused.build(tmp_path) == tmp_path / current.name
+    assert _files(tmp_path) == sorted([current.name, "lorad_fused-x86_64-2222222222222222.so", "notes.txt"])
+    assert (tmp_path / current.name).stat().st_mtime > time.time() - 60  # found: its time renewed
 
 
 def test_a_build_for_one_cpu_is_not_loaded_on_another(tmp_path: Path, monkeypatch) -> None:
