@@ -117,24 +117,25 @@ def build(cache: Path | None = None, *, retry: bool = False) -> Path:
 
 
 def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
-    failed = _library_path(cache, cxx, _flags(False)).with_suffix(".failed")
-    _prune(cache, keep={failed, *(_library_path(cache, cxx, _flags(arch)) for arch in (True, False))})
-    if failed.exists() and not retry:
-        raise FusedBuildError(f"building the fused kernels failed before (see {failed}):\n{failed.read_text()}")
-    errors = []
-    for arch in (True, False):  # -march=native first; a compiler that rejects it builds for the generic target
-        flags = _flags(arch)
-        out = _library_path(cache, cxx, flags)
+    outs = [_library_path(cache, cxx, _flags(arch)) for arch in (True, False)]  # -march=native first, then generic
+    failed = outs[1].with_suffix(".failed")
+    _prune(cache, keep={failed, *outs})
+    for out in outs:
         if out.exists():
             with contextlib.suppress(OSError):
                 os.utime(out)  # in use: what _prune goes by
             return out
+    if failed.exists() and not retry:
+        raise FusedBuildError(f"building the fused kernels failed before (see {failed}):\n{failed.read_text()}")
+    errors = []
+    for arch, out in zip((True, False), outs, strict=True):  # a compiler that rejects -march=native builds generic
         fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp", dir=cache)
         os.close(fd)
-        cmd = [cxx, str(SOURCE), "-o", tmp, *flags]
+        cmd = [cxx, str(SOURCE), "-o", tmp, *_flags(arch)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode == 0:
             Path(tmp).replace(out)
+            failed.unlink(missing_ok=True)  # an earlier failure (a missing header since installed) is over
             return out
         Path(tmp).unlink(missing_ok=True)
         errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-2000:]}")
@@ -180,7 +181,7 @@ def _load() -> tuple[Any | None, str]:
         path = build()
         torch.ops.load_library(str(path))
     except (FusedBuildError, OSError, RuntimeError) as exc:
-        reason = str(exc).splitlines()[0]
+        reason = str(exc).splitlines()[0].rstrip(":")
         log.warning("fused_kernels_unavailable", error=reason, fallback="torch ops")
         return None, f"unavailable: {reason}"
     return torch.ops.lorad_fused, str(path)

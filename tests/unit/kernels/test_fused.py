@@ -268,6 +268,27 @@ def test_build_reuses_its_cached_library_and_names_a_failing_compiler(tmp_path: 
     assert len(calls) == 2  # -march=native, then the generic target
 
 
+def test_a_build_that_succeeds_after_a_failure_is_used(ops: object, tmp_path: Path, monkeypatch) -> None:
+    """A compiler that failed once (a header missing) and works after a fix: ``make setup``'s retry builds, and later
+    processes load that build instead of the old failure record."""
+    good = fused.build()
+    cxx = tmp_path / "cxx"  # fails until "fixed" exists, then "compiles" by copying a real library to -o's path
+    cxx.write_text(
+        f'#!/bin/sh\n[ -e {tmp_path}/fixed ] || exit 1\nwhile [ "$1" != "-o" ]; do shift; done\ncp {good} "$2"\n'
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    cache = tmp_path / "cache"
+    with pytest.raises(fused.FusedBuildError, match="building the fused kernels failed:"):
+        fused.build(cache)
+    (tmp_path / "fixed").touch()
+    with pytest.raises(fused.FusedBuildError, match="failed before"):
+        fused.build(cache)
+    built = fused.build(cache, retry=True)
+    assert _files(cache) == [built.name]  # the failure record is gone with the failure
+    assert fused.build(cache) == built
+
+
 def test_build_deletes_what_other_builds_left_unused(ops: object, tmp_path: Path) -> None:
     import os
     import shutil
