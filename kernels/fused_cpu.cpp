@@ -6,8 +6,8 @@
 // row is computed by one thread in one fixed order, so results do not depend on the thread count, and a kernel called
 // twice on the same operands gives the same bits (the nodes rely on that to recompute what they did not save).
 //
-// Inputs: float32 matrices whose columns are contiguous (stride(1) == 1); rows may be strided (column blocks of a
-// wider tensor). Outputs: new contiguous tensors. No libm calls in the loops (a polynomial exp), so the compiler
+// Inputs: float32 (or, for GEMM products, bfloat16) matrices whose columns are contiguous (stride(1) == 1); rows may
+// be strided (column blocks of a wider tensor). Outputs: new contiguous tensors. No libm calls in the loops (a polynomial exp), so the compiler
 // vectorizes them for the build machine's own vector unit (AVX-512, AVX2, NEON).
 
 #include <ATen/Parallel.h>
@@ -288,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& d_act, const at:
 constexpr int64_t kTileRows = 8;   // rows of one LoRA micro-tile
 constexpr int64_t kTileCols = 32;  // columns of one LoRA micro-tile: two vectors of 16 floats
 constexpr int64_t kChunkCols = 256;  // columns a tile's gate and up go through at a time (16 kB, in L1)
-typedef float v16 __attribute__((vector_size(64)));  // GCC lowers it to the machine's own vectors (AVX-512, NEON)
+typedef float v16 __attribute__((vector_size(64)));  // the compiler lowers it to the machine's vectors (AVX-512, NEON)
 
 struct LoraPair {
   const uint16_t* pg;
@@ -336,7 +336,8 @@ LoraPair lora_pair(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor&
 
 // out[i, c0 : c0 + 32] = Σ_k h[i][k]·bT[k, c0 : c0 + 32] for the tile's rows i (k in order; out's rows are Fp apart),
 // the 8 x 32 sums held in registers while k runs.
-__attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, int64_t rank, const float* bT, int64_t Fp, int64_t c0, float* out) {
+__attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, int64_t rank, const float* bT, int64_t Fp,
+                                                          int64_t c0, float* out) {
   v16 acc[kTileRows][2];
   for (int64_t i = 0; i < kTileRows; ++i) acc[i][0] = acc[i][1] = v16{};
   for (int64_t k = 0; k < rank; ++k) {
