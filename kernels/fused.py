@@ -288,6 +288,12 @@ def swiglu_backward(
     return dgu, (dgu.to(torch.bfloat16) if want_bf16 else None)
 
 
+def _lora_ok(prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor]) -> bool:
+    """Whether the LoRA SwiGLU kernels take these operands: bf16 products with contiguous columns, fp32 h and Bs."""
+    bf16 = all(p.dtype == torch.bfloat16 and p.dim() == 2 and p.stride(1) == 1 for p in prods)
+    return bf16 and h.dtype == torch.float32 and all(b.dtype == torch.float32 for b in bs)
+
+
 def lora_gate_up(prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float) -> tuple[Tensor, Tensor]:
     """Gate and up in float32 from their bf16 products ``prods`` [R, F] and LoRA terms: ``float(p) + s·h_i·B_iᵀ``
     with ``B_i`` in ``bs`` and ``h`` [R, rg + ru] holding both members' ``x·A_iᵀ`` side by side (torch ops; the
@@ -306,7 +312,7 @@ def lora_swiglu_forward(
     the bf16 products where the kernels run (gate and up exist a tile of rows at a time), else ``lora_gate_up`` and
     ``swiglu_forward``."""
     ops = kernels()
-    if ops is not None:
+    if ops is not None and _lora_ok(prods, h, bs):
         act, actb = ops.lora_swiglu_fwd(*prods, h, *bs, float(scaling), want_bf16)
         return act, (actb if want_bf16 else None)
     return swiglu_forward(*lora_gate_up(prods, h, bs, scaling=scaling), want_bf16=want_bf16)
@@ -318,7 +324,7 @@ def lora_swiglu_backward(
     """``swiglu_backward``'s ``[d_gate | d_up]`` (and its bf16 copy or None) for ``lora_swiglu_forward``'s operands,
     plus its ``act`` again, bit for bit (down_proj's dA multiplies it)."""
     ops = kernels()
-    if ops is not None:
+    if ops is not None and _lora_ok(prods, h, bs) and _rows_ok(d_act):
         dgu, dgub, act = ops.lora_swiglu_bwd(d_act, *prods, h, *bs, float(scaling), want_bf16)
         return dgu, (dgub if want_bf16 else None), act
     gate, up = lora_gate_up(prods, h, bs, scaling=scaling)

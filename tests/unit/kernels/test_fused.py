@@ -235,6 +235,10 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
     # The Python entry points take any layout: what the kernels cannot take goes to torch ops.
     act, _ = fused.swiglu_forward(t["gate"].t(), t["up"].t())
     torch.testing.assert_close(act, torch.nn.functional.silu(t["gate"].t()) * t["up"].t())
+    prods_t = (lo["pg"].t().contiguous().t(), lo["pu"].t().contiguous().t())  # the same values, columns strided
+    bs = (lo["bg"], lo["bu"])
+    act, _ = fused.lora_swiglu_forward(prods_t, lo["h"], bs, scaling=1.0)
+    torch.testing.assert_close(act, fused.lora_swiglu_forward((lo["pg"], lo["pu"]), lo["h"], bs, scaling=1.0)[0])
 
 
 @needs_compiler
