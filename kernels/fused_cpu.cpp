@@ -7,8 +7,8 @@
 // twice on the same operands gives the same bits (the nodes rely on that to recompute what they did not save).
 //
 // Inputs: float32 (or, for GEMM products, bfloat16) matrices whose columns are contiguous (stride(1) == 1); rows may
-// be strided (column blocks of a wider tensor). Outputs: new contiguous tensors. No libm calls in the loops (a polynomial exp), so the compiler
-// vectorizes them for the build machine's own vector unit (AVX-512, AVX2, NEON).
+// be strided (column blocks of a wider tensor). Outputs: new contiguous tensors. No libm calls in the loops (a
+// polynomial exp), so the compiler vectorizes them for the build machine's own vector unit (AVX-512, AVX2, NEON).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -205,6 +205,23 @@ at::Tensor rms_norm_bwd(const at::Tensor& g, const at::Tensor& x, const at::Tens
   return dx;
 }
 
+// One row of act = silu(gate)·up's gradients for d_act row d: [d_gate | d_up] into og (2F floats) and, when br is
+// given, the same rounded to bfloat16.
+inline void swiglu_grad_row(const float* d, const float* gr, const float* ur, int64_t F, float* og, uint16_t* br) {
+  float* ou = og + F;
+#pragma omp simd
+  for (int64_t c = 0; c < F; ++c) {
+    const float g = gr[c];
+    const float s = sigmoid(g);
+    og[c] = d[c] * ur[c] * (s * (1.0f + g * (1.0f - s)));
+    ou[c] = d[c] * (g * s);
+  }
+  if (br != nullptr) {
+#pragma omp simd
+    for (int64_t c = 0; c < 2 * F; ++c) br[c] = to_bf16(og[c]);
+  }
+}
+
 // act = silu(gate)·up, and (when asked) act as bfloat16; the second tensor is empty otherwise.
 std::tuple<at::Tensor, at::Tensor> swiglu_fwd(const at::Tensor& gate, const at::Tensor& up, bool want_bf16) {
   check_rows(gate, "gate");
@@ -260,23 +277,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& d_act, const at:
   uint16_t* bp = want_bf16 ? bf16_data(dgub) : nullptr;
   at::parallel_for(0, R, grain_rows(2 * F), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* dr = dp + r * ldd;
-      const float* gr = gp + r * ldg;
-      const float* ur = up_ + r * ldu;
-      float* og = op + r * 2 * F;
-      float* ou = og + F;
-#pragma omp simd
-      for (int64_t c = 0; c < F; ++c) {
-        const float g = gr[c];
-        const float s = sigmoid(g);
-        og[c] = dr[c] * ur[c] * (s * (1.0f + g * (1.0f - s)));
-        ou[c] = dr[c] * (g * s);
-      }
-      if (bp != nullptr) {
-        uint16_t* br = bp + r * 2 * F;
-#pragma omp simd
-        for (int64_t c = 0; c < 2 * F; ++c) br[c] = to_bf16(og[c]);
-      }
+      swiglu_grad_row(dp + r * ldd, gp + r * ldg, up_ + r * ldu, F, op + r * 2 * F,
+                      bp != nullptr ? bp + r * 2 * F : nullptr);
     }
   });
   return {dgu, dgub};
@@ -444,23 +446,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd(const at::Tensor&
       lora_swiglu_tile(p, r0, buf.data(), buf.data() + kTileRows * p.Fp, ap + r0 * F);
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
-        const float* gr = buf.data() + i * p.Fp;
-        const float* ur = buf.data() + (kTileRows + i) * p.Fp;
-        const float* dr = dp + r * ldd;
-        float* og = op + r * 2 * F;
-        float* ou = og + F;
-#pragma omp simd
-        for (int64_t c = 0; c < F; ++c) {
-          const float g = gr[c];
-          const float sg = sigmoid(g);
-          og[c] = dr[c] * ur[c] * (sg * (1.0f + g * (1.0f - sg)));
-          ou[c] = dr[c] * (g * sg);
-        }
-        if (bp != nullptr) {
-          uint16_t* br = bp + r * 2 * F;
-#pragma omp simd
-          for (int64_t c = 0; c < 2 * F; ++c) br[c] = to_bf16(og[c]);
-        }
+        swiglu_grad_row(dp + r * ldd, buf.data() + i * p.Fp, buf.data() + (kTileRows + i) * p.Fp, F, op + r * 2 * F,
+                        bp != nullptr ? bp + r * 2 * F : nullptr);
       }
     }
   });
