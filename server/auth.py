@@ -37,8 +37,11 @@ class Principal:
 
 
 def new_token() -> str:
-    """A fresh bearer token: 32 random bytes, 43 URL-safe characters."""
-    return secrets.token_urlsafe(32)
+    """A fresh bearer token: 32 random bytes, 43 URL-safe characters, never starting with "-" (one in 64 did, and
+    `lorad --token -x…` reads such a token as an option)."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
 
 
 def hash_token(token: str) -> str:

@@ -81,10 +81,26 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+_TOKEN_SHAPE = re.compile(r"-[A-Za-z0-9_-]{42}")  # a daemon token (43 URL-safe characters) that begins with "-"
+
+
+def _glue_token_values(argv: list[str]) -> list[str]:
+    """``--token -x…`` as ``--token=-x…``: argparse reads a value that begins with "-" as an option, and tokens issued
+    before lorad stopped issuing them can begin with one."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1] == "--token" and _TOKEN_SHAPE.fullmatch(a):
+            out[-1] = f"--token={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one `lorad` command and returns its exit code (see `lorad --help`)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     head, passthrough = _split_passthrough(args_list)
+    head = _glue_token_values(head)
     parser = build_parser()
     wants_json = "--json" in head
     usage = io.StringIO()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lorad.client.cli import _split_passthrough, main
+from lorad.client.cli import _glue_token_values, _split_passthrough, build_parser, main
 
 
 def test_split_keeps_global_options_and_passes_the_rest() -> None:
@@ -18,3 +18,14 @@ def test_split_keeps_global_options_and_passes_the_rest() -> None:
 def test_prepare_list_socs_runs_the_daemon_side_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prepare", "--list-socs"]) == 0
     assert "SM8650" in capsys.readouterr().out
+
+
+def test_a_token_that_begins_with_a_dash_is_the_tokens_value() -> None:
+    """Tokens issued before the daemon stopped issuing them can begin with "-"; argparse alone read one as an option
+    ("argument --token: expected one argument")."""
+    tok = "-" + "x" * 42
+    glued = _glue_token_values(["--token", tok, "data", "list"])
+    assert glued == [f"--token={tok}", "data", "list"]
+    assert build_parser().parse_args(glued).token == tok
+    assert _glue_token_values(["--token", "--json", "status"]) == ["--token", "--json", "status"]  # not a token
+    assert _glue_token_values(["--token", "abc", "status"]) == ["--token", "abc", "status"]

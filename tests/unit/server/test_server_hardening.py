@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lorad.server import intents
+from lorad.server import auth, intents
 from lorad.server.auth import hash_token
 from lorad.server.engine.training.config import job_config
 from lorad.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted, Unauthenticated
@@ -150,3 +150,10 @@ def test_sample_count_is_bounded_before_parsing() -> None:
     parse = lenient(data_pb2.AppendSamplesRequest.FromString, data_pb2.AppendSamplesRequest.DESCRIPTOR)
     assert parse(many.SerializeToString()) == TooMany("samples", 1000)
     assert len(parse(ok.SerializeToString()).samples) == 1000
+
+
+def test_tokens_never_begin_with_a_dash(monkeypatch) -> None:
+    """One URL-safe token in 64 began with "-", which `lorad --token -x…` reads as an option."""
+    drawn = iter(["-" + "a" * 42, "--" + "b" * 41, "c" * 43])
+    monkeypatch.setattr(auth.secrets, "token_urlsafe", lambda n: next(drawn))
+    assert auth.new_token() == "c" * 43
