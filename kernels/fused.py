@@ -3,18 +3,17 @@
 ``fused_cpu.cpp`` is compiled once per machine with the system C++ compiler against the installed torch (6-10 s),
 cached under ``cache_dir()`` by a hash of the source, torch version, compiler, flags and CPU features, and loaded as
 torch ops (``torch.ops.lorad_fused``). ``make setup`` builds it; a process that finds no build compiles it when its
-first model is built. Where it
-cannot be built (no compiler, an unexpected toolchain) or ``LORAD_FUSED_KERNELS=0``, every function here computes the
-same math with torch ops: the numbers differ by float rounding only (the kernels' exp is a polynomial, their sums run
-in another order), and each path gives the same bits when called twice on the same operands, which is what the
-training nodes need to recompute instead of saving.
+first model is built. Where it cannot be built (no compiler, an unexpected toolchain) or ``LORAD_FUSED_KERNELS=0``,
+every function here computes the same math with torch ops: the numbers differ by float rounding only (the kernels'
+exp is a polynomial, their sums run in another order), and each path gives the same bits when called twice on the
+same operands, which is what the training nodes need to recompute instead of saving.
 
 SmolLM2 at 256 tokens on the AMX Xeon, 16 paired interleaved steps: 411 -> 382 ms a step for the norm and SwiGLU
-kernels. In isolation (2 threads,
-one layer's shapes): RMSNorm forward with its bf16 copy 66 -> 24 us, backward 95 -> 39 us, SwiGLU forward with its
-bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us; RoPE of q into bf16 57 -> 19 us and back
-82 -> 21 us (-7 ms a step in 16 pairs); the loss's softmax over ~200 bf16 logit rows of 49,152 words 8.5 -> 4.2 ms
-(-6 ms a step in 16 pairs).
+kernels. In isolation (2 threads, one layer's shapes): RMSNorm forward with its bf16 copy 66 -> 24 us, backward
+95 -> 39 us, SwiGLU forward with its bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us; RoPE
+of q into bf16 57 -> 19 us and back 82 -> 21 us (-7 ms a step in 16 pairs); the loss's softmax over ~200 bf16 logit
+rows of 49,152 words 8.5 -> 4.2 ms (-6 ms a step in 16 pairs); gate/up's LoRA terms inside the SwiGLU passes
+(``lora_swiglu_forward``/``_backward``) 320 -> 220 us forward and 510 -> 350 us backward (-2.5 ms a step in 30 pairs).
 """
 
 from __future__ import annotations
@@ -116,9 +115,14 @@ def build(cache: Path | None = None, *, retry: bool = False) -> Path:
         return _build_locked(cache, cxx, retry=retry)
 
 
+def _build_paths(cache: Path, cxx: str) -> tuple[list[Path], Path]:
+    """This machine's two possible libraries in ``cache`` (-march=native first, then generic) and the failure record."""
+    outs = [_library_path(cache, cxx, _flags(arch)) for arch in (True, False)]
+    return outs, outs[1].with_suffix(".failed")
+
+
 def _build_locked(cache: Path, cxx: str, *, retry: bool) -> Path:
-    outs = [_library_path(cache, cxx, _flags(arch)) for arch in (True, False)]  # -march=native first, then generic
-    failed = outs[1].with_suffix(".failed")
+    outs, failed = _build_paths(cache, cxx)
     _prune(cache, keep={failed, *outs})
     for out in outs:
         if out.exists():
@@ -200,12 +204,12 @@ def describe() -> tuple[bool, str]:
     cxx = _compiler()
     if cxx is None:
         return False, "unavailable: no C++ compiler found (set CXX, or install g++ or clang++); torch ops run instead"
-    cache = cache_dir()
-    ready = [p for p in (_library_path(cache, cxx, _flags(arch)) for arch in (True, False)) if p.exists()]
+    outs, failed = _build_paths(cache_dir(), cxx)
+    ready = [p for p in outs if p.exists()]
     if ready:
         return False, f"not loaded yet: the first model loads {ready[0]}"
-    if _library_path(cache, cxx, _flags(False)).with_suffix(".failed").exists():
-        return False, f"unavailable: an earlier build failed (see {cache}); torch ops run instead"
+    if failed.exists():
+        return False, f"unavailable: an earlier build failed (see {failed}); torch ops run instead"
     return False, "not built yet: the first model compiles them (once per machine, about 10 s)"
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from lorad.kernels import fused
+
 pytestmark = pytest.mark.integration
 
 
@@ -73,8 +75,7 @@ def test_cli_session_against_real_daemon(make_daemon: Any, tmp_path: Path) -> No
     assert s["readings"]["charging"] is True and s["can_train"] is True
     out = lorad(tmp_path, h, "status").stdout
     assert "training  allowed now" in out
-    from lorad.kernels import fused  # the daemon runs in this process and trained above: decided the same way
-
+    # the daemon runs in this process and trained above: its kernels were decided the same way
     assert ("kernels   active" if fused.kernels() is not None else "kernels   inactive") in out
     assert s["backend"]["cpu_kernels"]["active"] is (fused.kernels() is not None)
 
