@@ -24,6 +24,13 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LORAD_AMX 1
+#endif
+
 namespace {
 
 constexpr int64_t kGrainElements = 16384;  // at most one chunk per thread below this many elements
@@ -560,6 +567,416 @@ at::Tensor softmax_xent_bf16_(at::Tensor& logits, const at::Tensor& labels, doub
   return loss;
 }
 
+
+// ---- Causal attention on AMX tiles -------------------------------------------------------------------------------
+// Forward and backward of causal grouped-query attention for training, q [B, H, T, D], k and v [B, KV, T, D], with
+// every product on the CPU's AMX unit (16 x 16 fp32 += 16 x 32 bf16 · 32 x 16 bf16 per instruction) and only the
+// causal half of the score matrix computed: a task owns 16 query rows of one head, computes their scores against the
+// keys up to its last row, takes the softmax in fp32 (bf16 probabilities for the next product, as the torch path
+// rounds them) and multiplies by V. Nothing [T, T]-sized is kept for the backward: it recomputes the scores from the
+// saved log-sum-exp. The backward's first pass (per 16 query rows) gives dS = P·(dP − Σ P·dP)·scale and dQ = dS·K; its
+// second (per 16 keys) sums dV = Pᵀ·dO and dK = dSᵀ·Q over the query heads of one KV head, in a fixed order: every
+// element is computed by one task in one order, so results do not depend on the thread count.
+//
+// Operand layouts, per head, bf16 bits, rows beyond T zero (the tiles read whole 16- and 32-row blocks):
+//   rows   [Tk, D]         the matrix itself                        A operand (16 rows x 32 columns a tile)
+//   pairs  [Tk/2, N, 2]    rows 2p and 2p+1 interleaved             B operand whose K runs over rows
+//   dwords [D/2, Tk]       column pairs as 32-bit words, transposed B operand whose K runs over columns
+// with Tk = T rounded up to 32. Requires D a multiple of 64.
+constexpr int64_t kAttnRows = 16;  // query (or key) rows a task owns: one tile's rows
+constexpr int64_t kAttnCols = 64;  // output columns a task's four accumulator tiles hold
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Task t of n row blocks, ordered 0, n-1, 1, n-2, ...: causal blocks cost more the later they are, and at::parallel_for
+// hands each thread a contiguous range of tasks, so this order balances the threads.
+int64_t balanced_block(int64_t t, int64_t n) { return (t & 1) ? n - 1 - t / 2 : t / 2; }
+
+uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// x [B, G, T, D] (float32 or bfloat16, contiguous D, any other strides) as bf16 rows [B, G, rows, D], zero past T;
+// x itself when it already is that (bf16, contiguous, T == rows).
+at::Tensor rows_bf16(const at::Tensor& x, int64_t rows) {
+  const int64_t B = x.size(0), G = x.size(1), T = x.size(2), D = x.size(3);
+  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && T == rows) return x;
+  const at::Tensor src = (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.stride(3) == 1
+                             ? x
+                             : x.to(at::kFloat).contiguous();
+  at::Tensor o = at::empty({B, G, rows, D}, x.options().dtype(at::kBFloat16));
+  uint16_t* op = bits(o);
+  const bool f32 = src.scalar_type() == at::kFloat;
+  const char* base = static_cast<const char*>(src.data_ptr());
+  const int64_t es = src.element_size(), s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / G, g = bg % G;
+      uint16_t* out = op + bg * rows * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const char* row = base + (b * s0 + g * s1 + t * s2) * es;
+        uint16_t* o_row = out + t * D;
+        if (f32) {
+          const float* r = reinterpret_cast<const float*>(row);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o_row[d] = to_bf16(r[d]);
+        } else {
+          std::memcpy(o_row, row, D * sizeof(uint16_t));
+        }
+      }
+      std::memset(out + T * D, 0, (rows - T) * D * sizeof(uint16_t));
+    }
+  });
+  return o;
+}
+
+// bf16 rows [B, G, R, N] (contiguous) -> pairs [B, G, R/2, N, 2]: rows 2p and 2p+1 interleaved.
+at::Tensor row_pairs(const at::Tensor& r) {
+  const int64_t BG = r.size(0) * r.size(1), R = r.size(2), N = r.size(3);
+  at::Tensor o = at::empty({r.size(0), r.size(1), R / 2, N, 2}, r.options());
+  const uint16_t* ip = bits(r);
+  uint16_t* op = bits(o);
+  at::parallel_for(0, BG, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bg = begin; bg < end; ++bg) {
+      for (int64_t p = 0; p < R / 2; ++p) {
+        const uint16_t* even = ip + (bg * R + 2 * p) * N;
+        const uint16_t* odd = even + N;
+        uint16_t* out = op + (bg * R + 2 * p) * N;
+#pragma omp simd
+        for (int64_t c = 0; c < N; ++c) {
+          out[2 * c] = even[c];
+          out[2 * c + 1] = odd[c];
+        }
+      }
+    }
+  });
+  return o;
+}
+
+// Transpose of each [R, C] matrix of x [B, G, R, C] (contiguous, elements of `Elem`) into [B, G, C, R].
+template <typename Elem>
+void transpose_heads(const Elem* ip, Elem* op, int64_t BG, int64_t R, int64_t C) {
+  at::parallel_for(0, BG, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const Elem* in = ip + bg * R * C;
+      Elem* out = op + bg * R * C;
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {  // 16 x 16 blocks: reads and writes stay in a few cache lines
+        for (int64_t c0 = 0; c0 < C; c0 += 16) {
+          for (int64_t c = c0; c < std::min(C, c0 + 16); ++c) {
+            for (int64_t r = r0; r < std::min(R, r0 + 16); ++r) out[c * R + r] = in[r * C + c];
+          }
+        }
+      }
+    }
+  });
+}
+
+// bf16 rows [B, G, R, D] -> [B, G, D/2, R] int32: each row's column pairs as 32-bit words, transposed.
+at::Tensor column_dwords(const at::Tensor& r) {
+  at::Tensor o = at::empty({r.size(0), r.size(1), r.size(3) / 2, r.size(2)}, r.options().dtype(at::kInt));
+  transpose_heads(reinterpret_cast<const uint32_t*>(bits(r)), reinterpret_cast<uint32_t*>(o.data_ptr<int32_t>()),
+                  r.size(0) * r.size(1), r.size(2), r.size(3) / 2);
+  return o;
+}
+
+// bf16 rows [B, G, R, D] -> [B, G, D, R].
+at::Tensor transposed_bf16(const at::Tensor& r) {
+  at::Tensor o = at::empty({r.size(0), r.size(1), r.size(3), r.size(2)}, r.options());
+  transpose_heads(bits(r), bits(o), r.size(0) * r.size(1), r.size(2), r.size(3));
+  return o;
+}
+
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, H, T, D] tensors, got ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
+              "k and v must be [", q.size(0), ", KV, ", q.size(2), ", ", q.size(3), "], got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "query heads ", q.size(1),
+              " are not a multiple of key/value heads ", k.size(1));
+  TORCH_CHECK(q.size(3) % kAttnCols == 0, "head dim must be a multiple of ", kAttnCols, ", got ", q.size(3));
+  TORCH_CHECK(q.size(2) > 0, "no tokens");
+}
+
+#ifdef LORAD_AMX
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The calling thread's tile registers, configured for the scope: all eight 16 rows of 64 bytes. Tiles 0-3 accumulate,
+// 4 holds the A operand, 5 the B operand.
+struct TileScope {
+  TileScope() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// Linux hands out AMX state only to processes that ask (oneDNN asks too; asking twice is fine).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// S[16, 0 .. n) (fp32, ldS floats apart) = A [16, D] (rows, lda elements apart) · Bᵀ from B's column dwords
+// [D/2, ldb]; n a multiple of 16.
+void tiles_abt(const uint16_t* A, int64_t lda, const int32_t* Bd, int64_t ldb, int64_t D, int64_t n, float* S,
+               int64_t ldS) {
+  for (int64_t n0 = 0; n0 < n; n0 += 16) {
+    _tile_zero(0);
+    for (int64_t k0 = 0; k0 < D; k0 += 32) {
+      _tile_loadd(4, A + k0, lda * 2);
+      _tile_loadd(5, Bd + (k0 / 2) * ldb + n0, ldb * 4);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, S + n0, ldS * 4);
+  }
+}
+
+// O[16, 64] (fp32, contiguous) = A [16, K] (rows, lda elements apart) · B from its row pairs [K/2, ldb, 2], starting
+// at B's column pointer; K a multiple of 32.
+void tiles_ab64(const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t ldb, int64_t K, float* O) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    _tile_loadd(4, A + k0, lda * 2);
+    const uint16_t* b = Bp + (k0 / 2) * ldb * 2;
+    _tile_loadd(5, b, ldb * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, b + 32, ldb * 4);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, b + 64, ldb * 4);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, b + 96, ldb * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, O, 256);
+  _tile_stored(1, O + 16, 256);
+  _tile_stored(2, O + 32, 256);
+  _tile_stored(3, O + 48, 256);
+}
+
+// Tiles 0-3 += Xᵀ-rows [64, i0 .. i1) (XT: 64 rows of ldx elements) · Y from its row pairs [.., ldy, 2] at 16 columns:
+// C[d, key] += Σ_i X[i, d]·Y[i, key]; i0, i1 multiples of 32.
+void tiles_tn64(const uint16_t* XT, int64_t ldx, const uint16_t* Yp, int64_t ldy, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; i += 32) {
+    _tile_loadd(5, Yp + (i / 2) * ldy * 2, ldy * 4);
+    _tile_loadd(4, XT + i, ldx * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(4, XT + 16 * ldx + i, ldx * 2);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(4, XT + 32 * ldx + i, ldx * 2);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(4, XT + 48 * ldx + i, ldx * 2);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+#endif
+
+bool attention_amx_ready() {
+#ifdef LORAD_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// Forward: (out [B, T, H·D] bf16, the rows o_proj multiplies; lse [B, H, T] fp32; v's bf16 rows [B, KV, Tk, D] for
+// the backward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                                     const at::Tensor& v, double scale_d) {
+  check_attention(q, k, v);
+  TORCH_CHECK(attention_amx_ready(), "causal_attention_fwd needs AMX tiles (this build or process has none)");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), g = H / KV;
+  const int64_t Tk = round_up(T, 32), nq = Tk / kAttnRows;
+  const float scale = static_cast<float>(scale_d);
+  const at::Tensor Qr = rows_bf16(q, Tk), Kd = column_dwords(rows_bf16(k, Tk)), Vr = rows_bf16(v, Tk);
+  const at::Tensor Vp = row_pairs(Vr);
+  at::Tensor out = at::empty({B, T, H * D}, q.options().dtype(at::kBFloat16));
+  at::Tensor lse = at::empty({B, H, T}, q.options().dtype(at::kFloat));
+#ifdef LORAD_AMX
+  const uint16_t* qp = bits(Qr);
+  const int32_t* kd = Kd.data_ptr<int32_t>();
+  const uint16_t* vp = bits(Vp);
+  uint16_t* op = bits(out);
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, B * H * nq, 1, [&](int64_t begin, int64_t end) {
+    TileScope tiles;
+    std::vector<float> S(kAttnRows * Tk), O(kAttnRows * kAttnCols);
+    std::vector<uint16_t> P(kAttnRows * Tk);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / nq, b = bh / H, h = bh % H, kvh = b * KV + h / g;
+      const int64_t i0 = balanced_block(t % nq, nq) * kAttnRows;
+      const int64_t n = std::max<int64_t>(1, std::min(T, i0 + kAttnRows)), n16 = round_up(n, 16), n32 = round_up(n, 32);
+      tiles_abt(qp + (bh * Tk + i0) * D, D, kd + kvh * (D / 2) * Tk, Tk, D, n16, S.data(), Tk);
+      for (int64_t r = 0; r < kAttnRows; ++r) {
+        const int64_t i = i0 + r, valid = i < T ? i + 1 : 0;  // keys 0..i; padding rows get P = 0
+        float* s = S.data() + r * Tk;
+        uint16_t* pr = P.data() + r * Tk;
+        float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j] * scale);
+        float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+        for (int64_t j = 0; j < valid; ++j) {
+          s[j] = exp_poly(s[j] * scale - m);
+          z += s[j];
+        }
+        const float inv = valid > 0 ? 1.0f / z : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < valid; ++j) pr[j] = to_bf16(s[j] * inv);
+        for (int64_t j = valid; j < n32; ++j) pr[j] = 0;
+        if (i < T) lp[bh * T + i] = m + std::log(z);
+      }
+      for (int64_t c0 = 0; c0 < D; c0 += kAttnCols) {
+        tiles_ab64(P.data(), Tk, vp + kvh * Tk * D + c0 * 2, D, n32, O.data());
+        for (int64_t r = 0; r < kAttnRows && i0 + r < T; ++r) {
+          uint16_t* o = op + (b * T + i0 + r) * H * D + h * D + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < kAttnCols; ++c) o[c] = to_bf16(O[r * kAttnCols + c]);
+        }
+      }
+    }
+  });
+#endif
+  return {out, lse, Vr};
+}
+
+// Backward from dout [B, T, H·D] (any float; bf16 from o_proj): (dq [B, H, T, D], dk, dv [B, KV, T, D]) in fp32.
+// vr is the forward's bf16 rows of v, lse its log-sum-exp.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                                     const at::Tensor& k, const at::Tensor& vr,
+                                                                     const at::Tensor& lse, double scale_d) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), g = H / std::max<int64_t>(1, KV);
+  const int64_t Tk = round_up(T, 32), nq = Tk / kAttnRows;
+  check_attention(q, k, k);
+  TORCH_CHECK(vr.dim() == 4 && vr.size(0) == B && vr.size(1) == KV && vr.size(2) == Tk && vr.size(3) == D &&
+                  vr.scalar_type() == at::kBFloat16 && vr.is_contiguous(),
+              "vr must be causal_attention_fwd's bf16 rows of v [", B, ", ", KV, ", ", Tk, ", ", D, "], got ",
+              vr.sizes(), " ", vr.scalar_type());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == T &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous(),
+              "lse must be a contiguous float32 [", B, ", ", H, ", ", T, "] tensor, got ", lse.sizes());
+  TORCH_CHECK(dout.dim() == 3 && dout.size(0) == B && dout.size(1) == T && dout.size(2) == H * D,
+              "dout must be [", B, ", ", T, ", ", H * D, "], got ", dout.sizes());
+  TORCH_CHECK(attention_amx_ready(), "causal_attention_bwd needs AMX tiles (this build or process has none)");
+  const float scale = static_cast<float>(scale_d);
+  const at::Tensor Qr = rows_bf16(q, Tk), Kr = rows_bf16(k, Tk);
+  const at::Tensor dOr = rows_bf16(dout.reshape({B, T, H, D}).transpose(1, 2), Tk);
+  const at::Tensor Kd = column_dwords(Kr), Vd = column_dwords(vr), Kp = row_pairs(Kr);
+  const at::Tensor QT = transposed_bf16(Qr), dOT = transposed_bf16(dOr);
+  // P and dS of every head as query-row pairs [Tk/2, Tk, 2]: the B operand of dV = Pᵀ·dO and dK = dSᵀ·Q, computed
+  // as (dOᵀ·P)ᵀ and (Qᵀ·dS)ᵀ
+  at::Tensor Pp = at::empty({B, H, Tk / 2, Tk, 2}, q.options().dtype(at::kBFloat16));
+  at::Tensor dSp = at::empty({B, H, Tk / 2, Tk, 2}, q.options().dtype(at::kBFloat16));
+  at::Tensor dq = at::empty({B, H, T, D}, q.options().dtype(at::kFloat));
+  at::Tensor dk = at::empty({B, KV, T, D}, q.options().dtype(at::kFloat));
+  at::Tensor dv = at::empty({B, KV, T, D}, q.options().dtype(at::kFloat));
+#ifdef LORAD_AMX
+  const uint16_t *qr = bits(Qr), *dor = bits(dOr), *kp = bits(Kp), *qt = bits(QT), *dot = bits(dOT);
+  const int32_t *kd = Kd.data_ptr<int32_t>(), *vd = Vd.data_ptr<int32_t>();
+  uint16_t *pp = bits(Pp), *dsp = bits(dSp);
+  const float* lp = lse.data_ptr<float>();
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  at::parallel_for(0, B * H * nq, 1, [&](int64_t begin, int64_t end) {
+    TileScope tiles;
+    std::vector<float> S(kAttnRows * Tk), dP(kAttnRows * Tk), O(kAttnRows * kAttnCols);
+    std::vector<uint16_t> dS(kAttnRows * Tk), Pb(kAttnRows * Tk);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / nq, b = bh / H, h = bh % H, kvh = b * KV + h / g;
+      const int64_t i0 = balanced_block(t % nq, nq) * kAttnRows;
+      const int64_t n = std::max<int64_t>(1, std::min(T, i0 + kAttnRows)), n16 = round_up(n, 16), n32 = round_up(n, 32);
+      tiles_abt(qr + (bh * Tk + i0) * D, D, kd + kvh * (D / 2) * Tk, Tk, D, n16, S.data(), Tk);
+      tiles_abt(dor + (bh * Tk + i0) * D, D, vd + kvh * (D / 2) * Tk, Tk, D, n16, dP.data(), Tk);
+      for (int64_t r = 0; r < kAttnRows; ++r) {
+        const int64_t i = i0 + r, valid = i < T ? i + 1 : 0;
+        float* p = S.data() + r * Tk;
+        const float* dp = dP.data() + r * Tk;
+        const float l = i < T ? lp[bh * T + i] : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < valid; ++j) p[j] = exp_poly(p[j] * scale - l);
+        for (int64_t j = valid; j < n32; ++j) p[j] = 0.0f;
+        float di = 0.0f;
+#pragma omp simd reduction(+ : di)
+        for (int64_t j = 0; j < valid; ++j) di += p[j] * dp[j];
+        uint16_t* ds = dS.data() + r * Tk;
+        uint16_t* pb = Pb.data() + r * Tk;
+#pragma omp simd
+        for (int64_t j = 0; j < valid; ++j) {
+          ds[j] = to_bf16(p[j] * (dp[j] - di) * scale);
+          pb[j] = to_bf16(p[j]);
+        }
+        for (int64_t j = valid; j < n32; ++j) ds[j] = pb[j] = 0;
+      }
+      for (int64_t r = 0; r < kAttnRows; r += 2) {  // rows i0 + r and i0 + r + 1 as one row of pairs
+        uint16_t* prow = pp + (bh * Tk / 2 + (i0 + r) / 2) * Tk * 2;
+        uint16_t* dsrow = dsp + (bh * Tk / 2 + (i0 + r) / 2) * Tk * 2;
+        const uint16_t *p0 = Pb.data() + r * Tk, *p1 = p0 + Tk, *d0 = dS.data() + r * Tk, *d1 = d0 + Tk;
+#pragma omp simd
+        for (int64_t j = 0; j < n32; ++j) {
+          prow[2 * j] = p0[j];
+          prow[2 * j + 1] = p1[j];
+          dsrow[2 * j] = d0[j];
+          dsrow[2 * j + 1] = d1[j];
+        }
+      }
+      for (int64_t c0 = 0; c0 < D; c0 += kAttnCols) {
+        tiles_ab64(dS.data(), Tk, kp + kvh * Tk * D + c0 * 2, D, n32, O.data());
+        for (int64_t r = 0; r < kAttnRows && i0 + r < T; ++r) {
+          std::memcpy(dqp + (bh * T + i0 + r) * D + c0, O.data() + r * kAttnCols, kAttnCols * sizeof(float));
+        }
+      }
+    }
+  });
+  const int64_t nk = Tk / kAttnRows;
+  at::parallel_for(0, B * KV * nk, 1, [&](int64_t begin, int64_t end) {
+    TileScope tiles;
+    std::vector<float> C(kAttnCols * kAttnRows);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bk = t / nk, b = bk / KV, kh = bk % KV, j0 = balanced_block(t % nk, nk) * kAttnRows;
+      if (j0 >= T) continue;
+      // query rows from the 32-row block holding key j0 on (the pass above wrote P and dS there, zero where i < j)
+      const int64_t i_first = j0 / 32 * 32;
+      for (int which = 0; which < 2; ++which) {  // dV from dOᵀ and P, then dK from Qᵀ and dS
+        const uint16_t* X = which == 0 ? dot : qt;
+        const uint16_t* Y = which == 0 ? pp : dsp;
+        float* grad = which == 0 ? dvp : dkp;
+        for (int64_t d0 = 0; d0 < D; d0 += kAttnCols) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t hh = 0; hh < g; ++hh) {
+            const int64_t bh = b * H + kh * g + hh;
+            tiles_tn64(X + (bh * D + d0) * Tk, Tk, Y + bh * Tk * Tk + j0 * 2, Tk, i_first, Tk);
+          }
+          // C[d, key] for d = d0 .. d0 + 64, then written transposed into the [key, d] rows
+          _tile_stored(0, C.data(), kAttnRows * 4);
+          _tile_stored(1, C.data() + 16 * kAttnRows, kAttnRows * 4);
+          _tile_stored(2, C.data() + 32 * kAttnRows, kAttnRows * 4);
+          _tile_stored(3, C.data() + 48 * kAttnRows, kAttnRows * 4);
+          for (int64_t r = 0; r < kAttnRows && j0 + r < T; ++r) {
+            float* o = grad + (bk * T + j0 + r) * D + d0;
+            for (int64_t d = 0; d < kAttnCols; ++d) o[d] = C[d * kAttnRows + r];
+          }
+        }
+      }
+    }
+  });
+#endif
+  return {dq, dk, dv};
+}
 }  // namespace
 
 TORCH_LIBRARY(lorad_fused, m) {
@@ -577,4 +994,10 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);
+  m.def("attention_amx_ready() -> bool", &attention_amx_ready);
+  m.def("causal_attention_fwd(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor, Tensor)",
+        &causal_attention_fwd);
+  m.def("causal_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor vr, Tensor lse, float scale) -> (Tensor, "
+        "Tensor, Tensor)",
+        &causal_attention_bwd);
 }

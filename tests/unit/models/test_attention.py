@@ -6,16 +6,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lorad.kernels import fused
 from lorad.server.engine.models.attention import causal_attention_bf16
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "t"), [(9, 3, 64), (4, 4, 17), (6, 1, 5)])
-def test_matches_exact_causal_attention_within_bf16_error(heads: int, kv_heads: int, t: int) -> None:
+def _amx() -> bool:
+    ops = fused.kernels()
+    return ops is not None and bool(ops.attention_amx_ready())
+
+
+# Head dims of 64 and 128 run the AMX kernels where this machine has them (the torch path elsewhere), 32 the torch path.
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "t", "d"),
+    [(9, 3, 64, 32), (4, 4, 17, 32), (6, 1, 5, 32), (9, 3, 256, 64), (4, 2, 33, 64), (3, 1, 2, 64), (2, 2, 47, 128)],
+)
+def test_matches_exact_causal_attention_within_bf16_error(heads: int, kv_heads: int, t: int, d: int) -> None:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, kv_heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, kv_heads, t, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(2, t, heads * 32, generator=g, dtype=torch.float64)
+    q = torch.randn(2, heads, t, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, t, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, t, d, generator=g, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, t, heads * d, generator=g, dtype=torch.float64)
     # the exact output in the layout the bf16 one comes in: [B, T, H*D] rows, heads side by side
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(2, t, -1)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
@@ -33,6 +43,67 @@ def test_matches_exact_causal_attention_within_bf16_error(heads: int, kv_heads: 
     assert rel(out, ref) < 1.5e-2
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel(got, want) < 2.5e-2
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> list[torch.Tensor]:
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    out = causal_attention_bf16(qs, ks, vs)
+    return [out, *torch.autograd.grad(out, (qs, ks, vs), dout)]
+
+
+def _operands(b: int, h: int, kv: int, t: int, d: int) -> tuple[torch.Tensor, ...]:
+    """q and k in bf16 [B, H, T, D] as rope_bf16 gives them, v a fp32 [B, KV, T, D] view of v_proj's rows."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, h, t, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, kv, t, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, t, kv, d, generator=g).transpose(1, 2)
+    return q, k, v, torch.randn(b, t, h * d, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX tiles here: the torch path is the one that runs")
+def test_amx_kernels_agree_with_the_torch_path_and_take_less_memory() -> None:
+    """The tile kernels compute what the torch path computes (both bf16 products over fp32 softmax; the kernels skip
+    the masked half and keep no probabilities for the backward), in the dtypes autograd expects."""
+    q, k, v, dout = _operands(1, 9, 3, 100, 64)
+    tiles = _run(q, k, v, dout)
+    with fused.disabled():
+        torch_path = _run(q, k, v, dout)
+    assert [x.dtype for x in tiles] == [x.dtype for x in torch_path] == [torch.bfloat16] * 3 + [torch.float32]
+    for a, b in zip(tiles, torch_path, strict=True):
+        assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-2
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        causal_attention_bf16(*(x.clone().requires_grad_() for x in (q, k, v)))
+    assert not any(t.shape[-1] == 100 and t.dim() >= 3 and t.shape[-2] >= 100 for t in saved)  # no [.., T, T]
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX tiles here: the torch path is the one that runs")
+def test_amx_kernels_give_the_same_bits_at_any_thread_count() -> None:
+    q, k, v, dout = _operands(2, 4, 2, 70, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(q, k, v, dout)
+        torch.set_num_threads(max(2, threads))
+        many = _run(q, k, v, dout)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX tiles here: the torch path is the one that runs")
+def test_amx_kernels_name_operands_they_cannot_take() -> None:
+    ops = fused.kernels()
+    assert ops is not None
+    q, k, _, _ = _operands(1, 4, 2, 8, 64)
+    with pytest.raises(RuntimeError, match="not a multiple of key/value heads 3"):
+        ops.causal_attention_fwd(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64), 0.125)
+    with pytest.raises(RuntimeError, match="head dim must be a multiple of 64, got 32"):
+        ops.causal_attention_fwd(q[..., :32], k[..., :32], k[..., :32], 0.125)
+    out, lse, vr = ops.causal_attention_fwd(q, k, k, 0.125)
+    with pytest.raises(RuntimeError, match="dout must be"):
+        ops.causal_attention_bwd(out[:, :4], q, k, vr, lse, 0.125)
 
 
 def test_rejects_heads_that_do_not_group() -> None:
