@@ -99,7 +99,7 @@ class TorchFrozenLinear:
 
 def stack_bf16(layers: Sequence[object]) -> bool:
     """Moves the bf16 weights of layers that read one input (q/k/v; gate/up) into one [Σout, in] tensor, each
-    layer's weight a row block of it (a view, so its own calls are unchanged): ``joint_bf16`` then finds
+    layer's weight a row block of it (a contiguous view, so its own calls are unchanged): ``joint_bf16`` then finds
     them and one GEMM serves the group in each direction. The same bytes; True when the layers were stacked.
 
     Only torch layers at bf16 in both directions with one ``in_features``; others are left alone, and layers already
@@ -112,7 +112,7 @@ def stack_bf16(layers: Sequence[object]) -> bool:
     fs = [f for f in layers if isinstance(f, TorchFrozenLinear)]
     if len({f.in_features for f in fs}) != 1:
         return False
-    joint = torch.cat([f._store["bf16"][0].t() for f in fs], dim=1).t()  # column-major, as _encode holds them
+    joint = torch.cat([f._store["bf16"][0] for f in fs])
     group = tuple(weakref.ref(f) for f in fs)
     start = 0
     for f in fs:
@@ -184,26 +184,12 @@ def _int8_mm(a: Tensor, b: Tensor) -> Tensor:
     return (q.float() @ b.float()).mul_(s)
 
 
-# A bf16 weight W [out, in] is held column-major: its memory is Wᵀ [in, out], row after row. The forward ``x·Wᵀ``
-# then hands oneDNN a plain right operand and the input gradient ``dy·W`` a transposed one; row-major storage is the
-# other way round. Timed per call inside SmolLM2 training steps (T = 256, 2 threads, AMX Xeon, 12 interleaved step
-# pairs, medians in µs, row-major -> column-major): gate/up forward 838 -> 655 and input gradient 878 -> 972,
-# down_proj 748 -> 607 and 373 -> 398, o_proj 177 -> 165 and 194 -> 190, q/k/v 283 -> 293 and 264 -> 255; the tied
-# 49152 x 576 head at 192 rows 11.5 -> 9.9 ms and 9.0 -> 8.7 ms. About -7 ms a step; the embedding lookup that reads
-# the tied head's rows costs +0.7 ms (a gather across columns). In a loop outside the step, down_proj was even.
-def _column_major(w: Tensor, dtype: torch.dtype) -> Tensor:
-    """``w`` converted to ``dtype`` with Wᵀ's memory layout ([out, in] logically, strides (1, out))."""
-    return w.to(dtype).t().contiguous().t()  # narrowed first: the transposing copy moves half the bytes
-
-
 def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:
     w = weight.detach()
     if precision == "fp32":
         return w.float().contiguous().clone(), None
-    if precision == "bf16":
-        return _column_major(w, torch.bfloat16), None
-    if precision == "fp16":
-        return w.to(torch.float16).contiguous(), None
+    if precision in ("fp16", "bf16"):
+        return w.to(torch.float16 if precision == "fp16" else torch.bfloat16).contiguous(), None
     q, s = quantize_weight(w, WEIGHT_BITS[precision])
     return q, s
 

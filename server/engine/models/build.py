@@ -49,7 +49,7 @@ def shared_head_weight(frozen: Any, like: Tensor) -> Tensor | None:
     dtypes = (torch.float32, torch.bfloat16)
     if not isinstance(cand, Tensor) or cand.dtype not in dtypes or tuple(cand.shape) != tuple(like.shape):
         return None
-    return cand if cand.is_contiguous() or cand.t().is_contiguous() else None  # torch bf16 is column-major
+    return cand if cand.is_contiguous() else None
 
 
 def build_model(

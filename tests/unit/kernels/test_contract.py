@@ -133,6 +133,30 @@ def test_torch_bf16_keeps_one_bf16_copy_for_both_directions() -> None:
     assert torch.allclose(fk.forward(xk), ref, rtol=8e-3, atol=1e-2)
 
 
+def test_torch_bf16_input_gradients_survive_the_row_counts_that_crash_onednn() -> None:
+    """The oneDNN in torch 2.13 divides by zero in its AMX matmul blocking (SIGFPE: the process dies) for a transposed
+    right operand with SmolLM2's head shape at 32 rows, [32, 49152]·W with W held column-major (as 2ea7ba9 held bf16
+    weights; reverted). bf16 weights are held row-major; these shapes run in a child process, so a crash fails this
+    test instead of killing the suite."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from lorad.kernels import make_frozen_linear\n"
+        "torch.manual_seed(0)\n"
+        "for out_f, in_f in ((49152, 576), (3072, 576), (576, 1536)):\n"
+        "    fl = make_frozen_linear(torch.randn(out_f, in_f), None, backend='torch', precision='bf16')\n"
+        "    assert fl._store['bf16'][0].is_contiguous()\n"
+        "    for rows in (31, 32, 33, 64):\n"
+        "        assert fl.input_grad(torch.randn(rows, out_f)).shape == (rows, in_f)\n"
+        "        assert fl.forward(torch.randn(rows, in_f)).shape == (rows, out_f)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
 def test_torch_w8a8_one_int8_copy_native_gemm_equals_its_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
     import lorad.kernels.torch_backend as tb
     from lorad.kernels.capabilities import CpuFeature, cpu_int8

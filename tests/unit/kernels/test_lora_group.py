@@ -109,12 +109,8 @@ def test_fused_swiglu_mlp_saves_bf16_gate_and_up_at_bf16_with_the_same_gradients
         _zero(layers, x)
         gate, up, down = layers
         (down(swiglu(gate(x), up(x))) * dy).sum().backward()
-        # The rebuilt outputs are the forward's own. The fused pass adds the LoRA term in another order than addmm, so
-        # at bf16 an fp32-level difference can move one bf16 rounding of act by an ulp (0.4 %), which reaches the
-        # gradients diluted: a few 1e-5 here, against O(1) for a missing or doubled term.
-        tol = 1e-4 if precision == "bf16" else 1e-5
-        for a, b in zip(got, _grads(layers, x), strict=True):
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        for a, b in zip(got, _grads(layers, x), strict=True):  # the rebuilt outputs are the forward's own
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_nodes_that_norm_their_input_keep_it_instead_of_the_normed_rows_and_match_bit_for_bit() -> None:
