@@ -492,9 +492,9 @@ class BackendAvailability:
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """lorad's compiled CPU kernels (norms, SwiGLU with gate/up's LoRA terms, RoPE, the loss's softmax): whether
-    training runs them (else the same math runs as torch ops, ~10 % slower), and for the owner the library in use or
-    why not."""
+    """lorad's compiled CPU kernels (norms, SwiGLU with gate/up's LoRA terms, RoPE, the loss's softmax; attention on
+    AMX tiles where the CPU has them): whether training runs them (else the same math runs as torch ops, ~10 %
+    slower), and for the owner the library in use or why not."""
 
     active: bool
     detail: str = ""

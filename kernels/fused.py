@@ -202,7 +202,7 @@ def describe() -> tuple[bool, str]:
     if decided:
         if ops is None:
             return False, f"{detail}; torch ops run instead"
-        tiles = "; attention on AMX tiles" if ops.attention_amx_ready() else ""
+        tiles = "; attention on AMX tiles" if ops.attention_amx_ready(0) else ""
         return True, f"active ({detail}){tiles}"
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False, f"off ({ENV_SWITCH}=0); torch ops run instead"
@@ -414,18 +414,15 @@ def softmax_xent_bf16_(logits: Tensor, labels: Tensor, denom: float | None) -> T
     return total
 
 
-ATTENTION_COLS = 64  # the AMX attention kernels take head dims that are a multiple of this
-
-
 def causal_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
     """Causal grouped-query attention of q [B, H, T, D] over k, v [B, KV, T, D] on AMX tiles: ``(out, lse, vr)``, the
     bf16 rows [B, T, H*D] o_proj multiplies, each row's fp32 log-sum-exp of its scaled scores [B, H, T], and v's bf16
     rows for the backward. The products run in bf16 with fp32 accumulation and only over the causal half; the softmax
     is fp32, its probabilities rounded to bf16 for the P·V product. None where the kernels do not run it (not built,
-    a CPU or kernel without AMX tiles, a head dim that is not a multiple of ``ATTENTION_COLS``): the caller's torch
-    path runs then."""
+    a CPU or kernel without AMX tiles, a head dim the kernels do not take: they say which): the caller's torch path
+    runs then."""
     ops = kernels()
-    if ops is None or q.shape[-1] % ATTENTION_COLS or not ops.attention_amx_ready():
+    if ops is None or not ops.attention_amx_ready(int(q.shape[-1])):
         return None
     out, lse, vr = ops.causal_attention_fwd(q, k, v, float(scale))
     return out, lse, vr

@@ -784,9 +784,11 @@ void tiles_tn64(const uint16_t* XT, int64_t ldx, const uint16_t* Yp, int64_t ldy
 }
 #endif
 
-bool attention_amx_ready() {
+// Whether causal_attention_fwd/bwd run for this head dim here (built with AMX, tile state granted, D a multiple of
+// kAttnCols); head_dim 0 asks about the tiles alone.
+bool attention_amx_ready(int64_t head_dim) {
 #ifdef LORAD_AMX
-  return amx_permitted();
+  return head_dim % kAttnCols == 0 && amx_permitted();
 #else
   return false;
 #endif
@@ -797,7 +799,7 @@ bool attention_amx_ready() {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                                      const at::Tensor& v, double scale_d) {
   check_attention(q, k, v);
-  TORCH_CHECK(attention_amx_ready(), "causal_attention_fwd needs AMX tiles (this build or process has none)");
+  TORCH_CHECK(attention_amx_ready(0), "causal_attention_fwd needs AMX tiles (this build or process has none)");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), g = H / KV;
   const int64_t Tk = round_up(T, 32), nq = Tk / kAttnRows;
   const float scale = static_cast<float>(scale_d);
@@ -870,7 +872,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Te
               "lse must be a contiguous float32 [", B, ", ", H, ", ", T, "] tensor, got ", lse.sizes());
   TORCH_CHECK(dout.dim() == 3 && dout.size(0) == B && dout.size(1) == T && dout.size(2) == H * D,
               "dout must be [", B, ", ", T, ", ", H * D, "], got ", dout.sizes());
-  TORCH_CHECK(attention_amx_ready(), "causal_attention_bwd needs AMX tiles (this build or process has none)");
+  TORCH_CHECK(attention_amx_ready(0), "causal_attention_bwd needs AMX tiles (this build or process has none)");
   const float scale = static_cast<float>(scale_d);
   const at::Tensor Qr = rows_bf16(q, Tk), Kr = rows_bf16(k, Tk);
   const at::Tensor dOr = rows_bf16(dout.reshape({B, T, H, D}).transpose(1, 2), Tk);
@@ -994,7 +996,7 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);
-  m.def("attention_amx_ready() -> bool", &attention_amx_ready);
+  m.def("attention_amx_ready(int head_dim) -> bool", &attention_amx_ready);
   m.def("causal_attention_fwd(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor, Tensor)",
         &causal_attention_fwd);
   m.def("causal_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor vr, Tensor lse, float scale) -> (Tensor, "

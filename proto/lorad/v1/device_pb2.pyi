@@ -95,8 +95,9 @@ Global___BackendStatus: _TypeAlias = BackendStatus  # noqa: Y015
 
 @_typing.final
 class CpuKernels(_message.Message):
-    """lorad's compiled CPU kernels (RMSNorm, SwiGLU with gate/up's LoRA terms, RoPE, the loss's softmax): one pass each
-    where torch runs several ops. Without them the same math runs as torch ops, about 10 % slower.
+    """lorad's compiled CPU kernels (RMSNorm, SwiGLU with gate/up's LoRA terms, RoPE, the loss's softmax; training
+    attention on AMX tiles where the CPU has them): one pass each where torch runs several ops. Without them the same
+    math runs as torch ops, about 10 % slower.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +12,13 @@ from lorad.kernels import fused
 from lorad.server.engine.models.attention import causal_attention_bf16
 
 
-def _amx() -> bool:
+@pytest.fixture
+def amx() -> Any:
+    """The kernels, where they run attention on AMX tiles; else the test is skipped (the torch path runs there)."""
     ops = fused.kernels()
-    return ops is not None and bool(ops.attention_amx_ready())
+    if ops is None or not ops.attention_amx_ready(0):
+        pytest.skip("no AMX tiles here: the torch path is the one that runs")
+    return ops
 
 
 # Head dims of 64 and 128 run the AMX kernels where this machine has them (the torch path elsewhere), 32 the torch path.
@@ -60,8 +66,7 @@ def _operands(b: int, h: int, kv: int, t: int, d: int) -> tuple[torch.Tensor, ..
     return q, k, v, torch.randn(b, t, h * d, generator=g).to(torch.bfloat16)
 
 
-@pytest.mark.skipif(not _amx(), reason="no AMX tiles here: the torch path is the one that runs")
-def test_amx_kernels_agree_with_the_torch_path_and_take_less_memory() -> None:
+def test_amx_kernels_agree_with_the_torch_path_and_take_less_memory(amx: Any) -> None:
     """The tile kernels compute what the torch path computes (both bf16 products over fp32 softmax; the kernels skip
     the masked half and keep no probabilities for the backward), in the dtypes autograd expects."""
     q, k, v, dout = _operands(1, 9, 3, 100, 64)
@@ -77,8 +82,7 @@ def test_amx_kernels_agree_with_the_torch_path_and_take_less_memory() -> None:
     assert not any(t.shape[-1] == 100 and t.dim() >= 3 and t.shape[-2] >= 100 for t in saved)  # no [.., T, T]
 
 
-@pytest.mark.skipif(not _amx(), reason="no AMX tiles here: the torch path is the one that runs")
-def test_amx_kernels_give_the_same_bits_at_any_thread_count() -> None:
+def test_amx_kernels_give_the_same_bits_at_any_thread_count(amx: Any) -> None:
     q, k, v, dout = _operands(2, 4, 2, 70, 64)
     threads = torch.get_num_threads()
     try:
@@ -92,10 +96,9 @@ def test_amx_kernels_give_the_same_bits_at_any_thread_count() -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not _amx(), reason="no AMX tiles here: the torch path is the one that runs")
-def test_amx_kernels_name_operands_they_cannot_take() -> None:
-    ops = fused.kernels()
-    assert ops is not None
+def test_amx_kernels_name_operands_they_cannot_take(amx: Any) -> None:
+    ops = amx  # the head dims they take, which causal_attention_forward asks before calling them
+    assert ops.attention_amx_ready(64) and ops.attention_amx_ready(128) and not ops.attention_amx_ready(32)
     q, k, _, _ = _operands(1, 4, 2, 8, 64)
     with pytest.raises(RuntimeError, match="not a multiple of key/value heads 3"):
         ops.causal_attention_fwd(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64), 0.125)
