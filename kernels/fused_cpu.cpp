@@ -298,6 +298,18 @@ constexpr int64_t kTileRows = 8;   // rows of one LoRA micro-tile
 constexpr int64_t kTileCols = 32;  // columns of one LoRA micro-tile: two vectors of 16 floats
 constexpr int64_t kChunkCols = 256;  // columns a tile's gate and up go through at a time (16 kB, in L1)
 typedef float v16 __attribute__((vector_size(64)));  // the compiler lowers it to the machine's vectors (AVX-512, NEON)
+typedef uint16_t bf16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// 16 bfloat16 values -> floats (exact), as one vector.
+inline v16 widen16(const uint16_t* p) {
+  bf16x16 b;
+  std::memcpy(&b, p, sizeof b);
+  const u32x16 u = __builtin_convertvector(b, u32x16) << 16;
+  v16 f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 struct LoraPair {
   const uint16_t* pg;
@@ -343,16 +355,16 @@ LoraPair lora_pair(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor&
                   transposed(bg, Fp), transposed(bu, Fp), static_cast<float>(s), R, F, Fp};
 }
 
-// out[i, c0 : c0 + 32] = Σ_k h[i][k]·bT[k, c0 : c0 + 32] for the tile's rows i (k in order; out's rows are Fp apart),
-// the 8 x 32 sums held in registers while k runs.
-__attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, int64_t rank, const float* bT, int64_t Fp,
-                                                          int64_t c0, float* out) {
+// out[i, 0 : 32] = Σ_k h[i][k]·bT[k, c0 : c0 + 32] for the tile's rows i (k in order; bT's rows are ldb apart, out's
+// ldo), the 8 x 32 sums held in registers while k runs.
+__attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, int64_t rank, const float* bT, int64_t ldb,
+                                                          int64_t c0, float* out, int64_t ldo) {
   v16 acc[kTileRows][2];
   for (int64_t i = 0; i < kTileRows; ++i) acc[i][0] = acc[i][1] = v16{};
   for (int64_t k = 0; k < rank; ++k) {
     v16 b0, b1;
-    std::memcpy(&b0, bT + k * Fp + c0, sizeof b0);
-    std::memcpy(&b1, bT + k * Fp + c0 + 16, sizeof b1);
+    std::memcpy(&b0, bT + k * ldb + c0, sizeof b0);
+    std::memcpy(&b1, bT + k * ldb + c0 + 16, sizeof b1);
     for (int64_t i = 0; i < kTileRows; ++i) {
       const float hk = hrows[i * rank + k];
       acc[i][0] += hk * b0;
@@ -360,8 +372,8 @@ __attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, in
     }
   }
   for (int64_t i = 0; i < kTileRows; ++i) {
-    std::memcpy(out + i * Fp + c0, &acc[i][0], sizeof(v16));
-    std::memcpy(out + i * Fp + c0 + 16, &acc[i][1], sizeof(v16));
+    std::memcpy(out + i * ldo, &acc[i][0], sizeof(v16));
+    std::memcpy(out + i * ldo + 16, &acc[i][1], sizeof(v16));
   }
 }
 
@@ -380,8 +392,8 @@ __attribute__((noinline)) void lora_swiglu_tile(const LoraPair& p, int64_t r0, f
   for (int64_t c1 = 0; c1 < Fp; c1 += kChunkCols) {  // the sums of a chunk, then its epilogue while it is in L1
     const int64_t c2 = std::min(Fp, c1 + kChunkCols), ce = std::min(F, c2);
     for (int64_t c0 = c1; c0 < c2; c0 += kTileCols) {
-      lora_tile_sums(hg.data(), p.rg, p.bgT.data(), Fp, c0, g);
-      lora_tile_sums(hu.data(), p.ru, p.buT.data(), Fp, c0, u);
+      lora_tile_sums(hg.data(), p.rg, p.bgT.data(), Fp, c0, g + c0, Fp);
+      lora_tile_sums(hu.data(), p.ru, p.buT.data(), Fp, c0, u + c0, Fp);
     }
     for (int64_t i = 0; i < nr; ++i) {
       const uint16_t* pgr = p.pg + (r0 + i) * p.ldg;
@@ -459,6 +471,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd(const at::Tensor&
     }
   });
   return {dgu, dgub, act};
+}
+
+// out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
+// same pass, one read of the product and one write of the result (a LoRA layer's output, s·h·Bᵀ, or its input
+// gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
+// prod: bfloat16 [R, N] with contiguous columns; h: float32 [R, k] and m: float32 [k, N], any strides; bias: float32
+// [N] or empty. Each element's k products are summed in order k = 0, 1, ..., then scaled and added once.
+at::Tensor widen_lowrank(const at::Tensor& prod, const at::Tensor& h, const at::Tensor& m, const at::Tensor& bias,
+                         double s_d) {
+  TORCH_CHECK(prod.dim() == 2 && prod.scalar_type() == at::kBFloat16 && (prod.stride(1) == 1 || prod.size(1) <= 1),
+              "prod must be a bfloat16 matrix with contiguous columns, got ", prod.sizes(), " ", prod.scalar_type());
+  const int64_t R = prod.size(0), N = prod.size(1), ldp = prod.stride(0);
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == R && h.size(1) > 0 && h.scalar_type() == at::kFloat,
+              "h must be a float32 [", R, ", k] matrix with k > 0, got ", h.sizes(), " ", h.scalar_type());
+  const int64_t k = h.size(1);
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == k && m.size(1) == N && m.scalar_type() == at::kFloat,
+              "m must be a float32 [", k, ", ", N, "] matrix, got ", m.sizes(), " ", m.scalar_type());
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat &&
+                            bias.is_contiguous()),
+              "bias must be a contiguous float32 vector of ", N, " elements, got ", bias.sizes(), " ",
+              bias.scalar_type());
+  at::Tensor out = at::empty({R, N}, h.options());
+  if (R == 0 || N == 0) return out;
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(prod.data_ptr<at::BFloat16>());
+  const float* hp = h.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t hs0 = h.stride(0), hs1 = h.stride(1), ms0 = m.stride(0), ms1 = m.stride(1);
+  const int64_t row_tiles = (R + kTileRows - 1) / kTileRows, col_tiles = (N + kTileCols - 1) / kTileCols;
+  const bool m_direct = ms1 == 1 && N % kTileCols == 0;  // m's rows hold whole tiles: the sums read m itself
+  const int64_t Np = col_tiles * kTileCols, ldm = m_direct ? ms0 : Np;
+  std::vector<float> padded;  // else m as [k, Np] rows, zeros past N
+  if (!m_direct) {
+    padded.assign(static_cast<size_t>(k * Np), 0.0f);
+    float* dst = padded.data();
+    at::parallel_for(0, N, kGrainElements / k, [&](int64_t c_begin, int64_t c_end) {
+      for (int64_t c = c_begin; c < c_end; ++c) {  // a transposed view (m = Bᵀ) reads B's rows in order
+        for (int64_t kk = 0; kk < k; ++kk) dst[kk * Np + c] = mp[kk * ms0 + c * ms1];
+      }
+    });
+  }
+  const float* mrows = m_direct ? mp : padded.data();
+  std::vector<float> bias_row(static_cast<size_t>(Np), 0.0f);  // + 0 without a bias: exact
+  for (int64_t c = 0; c < N && bp != nullptr; ++c) bias_row[static_cast<size_t>(c)] = bp[c];
+  const float s = static_cast<float>(s_d);
+  at::parallel_for(0, row_tiles, std::max<int64_t>(1, grain_rows(N) / kTileRows), [&](int64_t begin, int64_t end) {
+    float hrows[kTileRows * 64];
+    std::vector<float> hbuf;
+    float* hr = hrows;
+    if (k > 64) {
+      hbuf.resize(static_cast<size_t>(kTileRows * k));
+      hr = hbuf.data();
+    }
+    alignas(64) float acc[kTileRows * kTileCols];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kTileRows, nr = std::min(kTileRows, R - r0);
+      for (int64_t i = 0; i < kTileRows; ++i) {  // the tile's h rows, zeros past R
+        for (int64_t kk = 0; kk < k; ++kk) hr[i * k + kk] = i < nr ? hp[(r0 + i) * hs0 + kk * hs1] : 0.0f;
+      }
+      for (int64_t c0 = 0; c0 < Np; c0 += kTileCols) {
+        lora_tile_sums(hr, k, mrows, ldm, c0, acc, kTileCols);
+        const int64_t nc = std::min(kTileCols, N - c0);
+        const float* br = bias_row.data() + c0;
+        for (int64_t i = 0; i < nr; ++i) {
+          const uint16_t* pr = pp + (r0 + i) * ldp + c0;
+          const float* ar = acc + i * kTileCols;
+          float* orow = op + (r0 + i) * N + c0;
+          if (nc == kTileCols) {  // a whole tile: vectors
+            for (int64_t half = 0; half < kTileCols; half += 16) {
+              v16 a, b, y = widen16(pr + half);
+              std::memcpy(&a, ar + half, sizeof a);
+              std::memcpy(&b, br + half, sizeof b);
+              y += b;
+              y += s * a;
+              std::memcpy(orow + half, &y, sizeof y);
+            }
+          } else {
+            for (int64_t c = 0; c < nc; ++c) orow[c] = (from_bf16(pr[c]) + br[c]) + s * ar[c];
+          }
+        }
+      }
+    }
+  });
+  return out;
 }
 
 // RoPE of x [B, T, H, D] (float32, any strides with contiguous D) into contiguous bfloat16 [B, H, T, D]: with halves
@@ -993,6 +1091,7 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("lora_swiglu_bwd(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, "
         "bool want_bf16) -> (Tensor, Tensor, Tensor)",
         &lora_swiglu_bwd);
+  m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);

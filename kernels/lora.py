@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
+from lorad.kernels.fused import widen_lowrank
 from lorad.kernels.queue import NpuQueue, queue_for
-from lorad.kernels.torch_backend import TorchFrozenLinear
+from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm
 
 
 def rows_fp32(t: Tensor, features: int) -> Tensor:
@@ -60,8 +61,12 @@ class _LoRAFrozenFn(torch.autograd.Function):
         rows = x.reshape(-1, frozen.in_features).contiguous()
         x2 = rows.float()  # rows itself when fp32
         # Rows narrower than fp32 (the bf16 attention's output) go to a torch frozen product as they are, and are
-        # what is saved (widening them again is exact); other backends take fp32.
-        fut = queue.submit(frozen.forward, rows if isinstance(frozen, TorchFrozenLinear) else x2)
+        # what is saved (widening them again is exact); other backends take fp32. A torch bf16 GEMM's product is
+        # widened below with the LoRA term added in the same pass.
+        gemm = bf16_gemm(frozen)
+        fut = None
+        if gemm is None:
+            fut = queue.submit(frozen.forward, rows if isinstance(frozen, TorchFrozenLinear) else x2)
         # CPU side while the frozen product runs: s·(drop(x)·Aᵀ)·Bᵀ.
         mask = None
         xd = x2
@@ -72,8 +77,11 @@ class _LoRAFrozenFn(torch.autograd.Function):
         # with K = 576..1536, r = 8 at 4-20x the time of the transposed [r, K]·[K, T] (0.88 vs 0.25 ms at
         # K = 1536, 1 thread, Zen 5); the result is the same matrix, returned as a transposed view.
         h = (lora_a @ xd.t()).t()  # [T, r]
-        y = fut.result()
-        y.addmm_(h, lora_b.t(), alpha=scaling)
+        if gemm is not None:
+            y = widen_lowrank(gemm.bf16_product(rows), h, lora_b.t(), scaling=scaling, bias=gemm.bias)
+        else:
+            assert fut is not None
+            y = fut.result().addmm_(h, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(rows if mask is None else xd, h, lora_a, lora_b, mask)
         ctx.frozen, ctx.queue, ctx.scaling = frozen, queue, scaling
         ctx.in_shape = x.shape
@@ -86,12 +94,15 @@ class _LoRAFrozenFn(torch.autograd.Function):
         s = ctx.scaling
         dy2 = rows_fp32(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]
-        fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x else None
+        gemm = bf16_gemm(ctx.frozen, backward=True) if mask is None else None  # its product widened with the LoRA part
+        fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x and gemm is None else None
         g = (lora_b.t() @ dy2.t()).t()  # [T, r], thin-product layout as in forward
         d_b = (h.t() @ dy2).t().mul_(s) if ctx.needs_input_grad[2] else None
         d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
         dx = None
-        if fut is not None:
+        if need_x and gemm is not None:
+            dx = widen_lowrank(gemm.input_grad_product(dy2), g, lora_a, scaling=s).reshape(ctx.in_shape)
+        elif fut is not None:
             dx = fut.result()
             if mask is None:
                 dx.addmm_(g, lora_a, alpha=s)  # the LoRA part added by the GEMM itself: no [T, in] temporary

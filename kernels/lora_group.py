@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lorad.kernels.fused import widen_lowrank
 from lorad.kernels.lora import LoRALinear, rows_fp32
 from lorad.kernels.rmsnorm import RMSNorm, rms_apply, rms_backward, rms_forward
-from lorad.kernels.torch_backend import TorchFrozenLinear, joint_bf16, joint_input_grad, widen_joint
+from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm, joint_bf16, joint_input_grad_product
 
 
 def groupable(members: Sequence[LoRALinear]) -> bool:
@@ -44,16 +45,18 @@ def groupable(members: Sequence[LoRALinear]) -> bool:
 def submit_forward(
     members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | None = None
 ) -> list[Future[Tensor]] | list[Tensor]:
-    """Queue every member's frozen forward on ``x2`` [T, in] (fp32); returns their futures in member order, or the
-    outputs themselves when the members' bf16 weights are stacked (one GEMM, ``torch_backend.joint_bf16``) or are
-    bf16 GEMMs given the rows in bf16 (``x2_bf16``: the same rows rounded, as the fused norm and SwiGLU write them)."""
+    """Every member's frozen forward on ``x2`` [T, in] (fp32), in member order: the future of its output (queued
+    first, so an NPU works while the CPU goes on), or, where it is a torch bf16 GEMM, its bf16 product (column blocks
+    of one product when the members' weights are stacked, ``torch_backend.joint_bf16``), of ``x2_bf16`` when given
+    (the same rows rounded, as the fused norm and SwiGLU write them). ``finish_forward`` turns either into the
+    outputs."""
     joint = _joint(members)
     if joint is not None:
-        return widen_joint([m.frozen for m in members], _joint_product(joint, x2, x2_bf16))
+        return _column_blocks(members, _joint_product(joint, x2, x2_bf16))
     gemms = [_bf16_gemm(m) for m in members]
-    if x2_bf16 is not None and all(g is not None for g in gemms):
-        return [g.widen(g.bf16_product(x2_bf16)) for g in gemms if g is not None]
-    return [m.queue.submit(m.frozen.forward, x2) for m in members]
+    futs = {i: m.queue.submit(m.frozen.forward, x2) for i, m in enumerate(members) if gemms[i] is None}
+    rows = x2 if x2_bf16 is None else x2_bf16
+    return [futs[i] if g is None else g.bf16_product(rows) for i, g in enumerate(gemms)]
 
 
 def takes_bf16_rows(members: Sequence[LoRALinear]) -> bool:
@@ -81,7 +84,8 @@ def finish_forward(
 ) -> tuple[list[Tensor], Tensor]:
     """Each member's ``frozen(x) + s·(x·A_iᵀ)·B_iᵀ`` [T, out_i] and the stacked ``h = x·[A_1; …]ᵀ`` [T, Σr].
 
-    ``frozen`` holds each member's frozen output, or the future of it (``submit_forward``). The stacked product is
+    ``frozen`` holds each member's frozen output or the future of it, or its bf16 product (``submit_forward``), which
+    ``_add_lora`` widens with the LoRA term in one pass. The stacked product is
     written ``[Σr, in]·[in, T]`` (transposed view back): MKL's fp32 GEMM runs the thin ``[T, K]·[K, r]`` layout at
     4-20x the time (see ``lora._LoRAFrozenFn``).
     """
@@ -110,15 +114,15 @@ def bf16_products(members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | N
         return None
     joint = _joint(members)
     if joint is not None:
-        prod = _joint_product(joint, x2, x2_bf16)
-        return [prod[:, o : o + m.out_features] for m, o in zip(members, _column_offsets(members), strict=True)]
+        return _column_blocks(members, _joint_product(joint, x2, x2_bf16))
     rows = x2 if x2_bf16 is None else x2_bf16
     return [g.bf16_product(rows) for g in gemms if g is not None]
 
 
-def _column_offsets(members: Sequence[LoRALinear]) -> list[int]:
-    """Each member's first column in a product of the members side by side."""
-    return list(itertools.accumulate((m.out_features for m in members[:-1]), initial=0))
+def _column_blocks(members: Sequence[LoRALinear], prod: Tensor) -> list[Tensor]:
+    """Each member's columns of a product of the members side by side (views)."""
+    starts = itertools.accumulate((m.out_features for m in members[:-1]), initial=0)
+    return [prod[:, o : o + m.out_features] for m, o in zip(members, starts, strict=True)]
 
 
 def forward_keeping_products(
@@ -134,40 +138,28 @@ def forward_keeping_products(
     joint = _joint(members)
     if joint is not None:
         prod = _joint_product(joint, x2, x2_bf16)
-        ys, h = finish_forward(members, x2, widen_joint([m.frozen for m in members], prod))
+        ys, h = finish_forward(members, x2, _column_blocks(members, prod))
         return ys, h, [prod]
-    frozen: list[Future[Tensor] | Tensor] = []
-    prods: list[Tensor | None] = []
-    for m in members:
-        g = _bf16_gemm(m)
-        if g is None:
-            frozen.append(m.queue.submit(m.frozen.forward, x2))
-            prods.append(None)
-        else:
-            prod = g.bf16_product(x2 if x2_bf16 is None else x2_bf16)
-            frozen.append(g.widen(prod))
-            prods.append(prod)
+    frozen = submit_forward(members, x2, x2_bf16)
     ys, h = finish_forward(members, x2, frozen)
-    return ys, h, [y if p is None else p for y, p in zip(ys, prods, strict=True)]
+    return ys, h, [y if isinstance(f, Future) else f for y, f in zip(ys, frozen, strict=True)]
 
 
 def rebuild(members: Sequence[LoRALinear], h: Tensor, kept: Sequence[Tensor]) -> list[Tensor]:
     """The outputs ``forward_keeping_products`` returned, bit for bit: the same ops on the same operands (the
     adapters do not change between a forward and its backward)."""
     if _joint(members) is not None:
-        widened = widen_joint([m.frozen for m in members], kept[0])
-        return [_add_lora(m, y, h, o) for m, y, o in zip(members, widened, _offsets(members), strict=True)]
+        blocks = _column_blocks(members, kept[0])
+        return [_add_lora(m, p, h, o) for m, p, o in zip(members, blocks, _offsets(members), strict=True)]
     out: list[Tensor] = []
     for m, k, o in zip(members, kept, _offsets(members), strict=True):
-        g = _bf16_gemm(m)
-        out.append(k if g is None else _add_lora(m, g.widen(k), h, o))
+        out.append(k if _bf16_gemm(m) is None else _add_lora(m, k, h, o))
     return out
 
 
 def _bf16_gemm(m: LoRALinear) -> TorchFrozenLinear | None:
     """``m``'s frozen layer when its forward is a torch bf16 GEMM (whose bf16 product can be kept), else None."""
-    f = m.frozen
-    return f if isinstance(f, TorchFrozenLinear) and f.precision_fwd == "bf16" else None
+    return bf16_gemm(m.frozen)
 
 
 def _offsets(members: Sequence[LoRALinear]) -> list[int]:
@@ -176,8 +168,15 @@ def _offsets(members: Sequence[LoRALinear]) -> list[int]:
 
 
 def _add_lora(m: LoRALinear, y: Tensor, h: Tensor, o: int) -> Tensor:
-    """``y += s·h[:, o:o+r]·Bᵀ`` in place: member ``m``'s LoRA term on its frozen output ``y``."""
-    return y.addmm_(h[:, o : o + m.rank], m.lora_B.detach().t(), alpha=m.scaling)
+    """Member ``m``'s output from its frozen result ``y`` and the LoRA term ``s·h[:, o:o+r]·Bᵀ``: ``y`` is its fp32
+    output (the term added in place) or, where the forward is a torch bf16 GEMM, that GEMM's bf16 product (widened,
+    the bias and the term added in one pass: ``fused.widen_lowrank``)."""
+    hm, bt = h[:, o : o + m.rank], m.lora_B.detach().t()
+    if y.dtype == torch.bfloat16:
+        g = _bf16_gemm(m)
+        assert g is not None, f"{g!r}: a bf16 result from a layer whose forward is no bf16 GEMM"
+        return widen_lowrank(y, hm, bt, scaling=m.scaling, bias=g.bias)
+    return y.addmm_(hm, bt, alpha=m.scaling)
 
 
 def backward(
@@ -214,8 +213,10 @@ def backward_parts(
     computes them while the CPU does the rest."""
     s = members[0].scaling
     joint = _joint(members) if need_x else None
+    # a single torch bf16 member's input-gradient product, widened with the LoRA part like the stacked members'
+    single = bf16_gemm(members[0].frozen, backward=True) if need_x and len(members) == 1 else None
     futs = []
-    if need_x and joint is None:
+    if need_x and joint is None and single is None:
         # contiguous for backends that hand the rows to a runtime (column blocks of [d_gate | d_up] are not)
         futs = [m.queue.submit(m.frozen.input_grad, dy.contiguous()) for m, dy in zip(members, dys, strict=True)]
     total_r = sum(m.rank for m in members)
@@ -227,13 +228,15 @@ def backward_parts(
     dx = None
     if need_x:
         a_cat = torch.cat([m.lora_A for m in members]).detach()
-        if joint is not None:
-            dx = joint_input_grad(joint, dys, packed=dys_bf16)
+        if joint is not None:  # the LoRA part added as the product is widened: no separate pass over dX
+            dx = widen_lowrank(joint_input_grad_product(joint, dys, packed=dys_bf16), g.t(), a_cat, scaling=s)
+        elif single is not None:
+            dx = widen_lowrank(single.input_grad_product(dys[0]), g.t(), a_cat, scaling=s)
         else:
             dx = futs[0].result()
             for fut in futs[1:]:
                 dx.add_(fut.result())
-        dx.addmm_(g.t(), a_cat, alpha=s)
+            dx.addmm_(g.t(), a_cat, alpha=s)
     return dx, g, d_b
 
 

@@ -77,9 +77,14 @@ class TorchFrozenLinear:
         and rebuild the output bit for bit later."""
         return torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t())
 
+    def input_grad_product(self, dy: Tensor) -> Tensor:
+        """``dy·W`` [T, in] as the bf16 GEMM returns it (``dy`` rounded to bf16 unless it is bf16, fp32 accumulation
+        inside oneDNN, a bf16 result); only at backward precision bf16. ``input_grad(dy)`` is it widened."""
+        return torch.mm(dy.to(torch.bfloat16), self._store["bf16"][0])
+
     def input_grad_bf16(self, dy: Tensor) -> Tensor:
         """``input_grad`` of an output gradient already in bf16 (only at backward precision bf16): float32 [T, in]."""
-        return torch.mm(dy, self._store["bf16"][0]).float()
+        return self.input_grad_product(dy).float()
 
     def widen(self, product: Tensor) -> Tensor:
         """The float32 output from ``bf16_product``'s result: widened once, the bias added in fp32."""
@@ -88,7 +93,7 @@ class TorchFrozenLinear:
 
     def input_grad(self, dy: Tensor) -> Tensor:
         if self.precision_bwd == "bf16":
-            return self.input_grad_bf16(dy.to(torch.bfloat16))
+            return self.input_grad_bf16(dy)
         if self.precision_bwd == "w8a8":
             wq, sw = self._store["w8a8"]
             assert sw is not None
@@ -141,23 +146,18 @@ def joint_bf16(layers: Sequence[object]) -> Tensor | None:
     return joint
 
 
-def widen_joint(layers: Sequence[object], product: Tensor) -> list[Tensor]:
-    """Each layer's float32 output from the joint product ``x·Jᵀ`` [T, Σout]: widened once, as column blocks (views
-    of one tensor), each layer's bias added in fp32: the numbers ``widen`` gives each layer's own product."""
-    y = product.float()
-    out, start = [], 0
-    for f in layers:
-        assert isinstance(f, TorchFrozenLinear)
-        block = y[:, start : start + f.out_features]
-        out.append(block if f.bias is None else block.add_(f.bias))
-        start += f.out_features
-    return out
+def bf16_gemm(frozen: object, *, backward: bool = False) -> TorchFrozenLinear | None:
+    """``frozen`` when its forward (``backward``: its input gradient) is a torch bf16 GEMM, whose bf16 product a
+    caller may take and finish itself (``fused.widen_lowrank``), else None."""
+    if not isinstance(frozen, TorchFrozenLinear):
+        return None
+    return frozen if (frozen.precision_bwd if backward else frozen.precision_fwd) == "bf16" else None
 
 
-def joint_input_grad(joint: Tensor, dys: Sequence[Tensor], *, packed: Tensor | None = None) -> Tensor:
-    """``Σ dy_i·W_i`` [T, in] float32 as one bf16 GEMM: the output gradients side by side in bf16 (each converted
-    straight into its columns, or ``packed``: that [T, Σout] bf16 matrix already made) times the stacked weight, fp32
-    accumulation, one bf16 rounding of the sum."""
+def joint_input_grad_product(joint: Tensor, dys: Sequence[Tensor], *, packed: Tensor | None = None) -> Tensor:
+    """``Σ dy_i·W_i`` [T, in] as one bf16 GEMM returns it (bf16): the output gradients side by side in bf16 (each
+    converted straight into its columns, or ``packed``: that [T, Σout] bf16 matrix already made) times the stacked
+    weight, fp32 accumulation, one bf16 rounding of the sum."""
     d = packed
     if d is None:
         d = torch.empty(dys[0].shape[0], joint.shape[0], dtype=torch.bfloat16)
@@ -165,7 +165,7 @@ def joint_input_grad(joint: Tensor, dys: Sequence[Tensor], *, packed: Tensor | N
         for dy in dys:
             d[:, start : start + dy.shape[1]].copy_(dy)
             start += dy.shape[1]
-    return torch.mm(d, joint).float()
+    return torch.mm(d, joint)
 
 
 def _bf16_both_ways(f: object) -> bool:

@@ -116,6 +116,35 @@ def test_lora_swiglu_matches_torch_and_gives_the_backward_the_forwards_act(ops: 
     assert fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw)[1] is None
 
 
+def _lowrank_operands(rows: int = 67, cols: int = 100, k: int = 5, seed: int = 4) -> dict[str, Any]:
+    """A bf16 product as a column block of a wider one (rows strided), h and m as transposed views (as the LoRA nodes
+    pass ``(A·xᵀ)ᵀ`` and ``Bᵀ``), a bias; an odd row count and a column count that is no whole number of tiles."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(rows, cols + 28, generator=g) * 3).to(torch.bfloat16)
+    return {
+        "prod": wide[:, 28:],
+        "h": torch.randn(k, rows, generator=g).t(),
+        "m": torch.randn(cols, k, generator=g).t(),
+        "bias": torch.randn(cols, generator=g),
+        "s": 1.75,
+    }
+
+
+@pytest.mark.parametrize("shape", [(67, 100, 5), (256, 576, 8), (256, 192, 24), (1, 1, 1)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_widen_lowrank_matches_torch(ops: object, shape: tuple[int, int, int], with_bias: bool) -> None:
+    t = _lowrank_operands(*shape)
+    bias = t["bias"] if with_bias else None
+    got = fused.widen_lowrank(t["prod"], t["h"], t["m"], scaling=t["s"], bias=bias)
+    with fused.disabled():
+        ref = fused.widen_lowrank(t["prod"], t["h"], t["m"], scaling=t["s"], bias=bias)
+    exact = t["prod"].double() + (0.0 if bias is None else bias.double()) + t["s"] * (t["h"].double() @ t["m"].double())
+    assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == ref.shape
+    assert _rel(got, exact) < 1e-6 and _rel(ref, exact) < 1e-6
+    again = fused.widen_lowrank(t["prod"], t["h"].contiguous(), t["m"].contiguous(), scaling=t["s"], bias=bias)
+    assert torch.equal(again, got)  # the same bits whatever the operands' strides: the nodes rebuild outputs with it
+
+
 def test_bf16_copies_round_like_torch_at_the_edges(ops: object) -> None:
     """Ties to even, overflow to inf, subnormals, signed zero: what torch's .to(torch.bfloat16) gives; NaN stays NaN."""
     edge = torch.tensor(
@@ -194,6 +223,7 @@ def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
     t = _operands(rows=301, cols=576)
     lo = _lora_operands(rows=301, cols=576, rg=8, ru=8)
     lora_args = ((lo["pg"], lo["pu"]), lo["h"], (lo["bg"], lo["bu"]))
+    lr = _lowrank_operands(rows=301, cols=576, k=24)
     before = torch.get_num_threads()
     outs = []
     try:
@@ -204,6 +234,7 @@ def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
                     *fused.rms_norm_forward(t["x"], t["w"], 1e-6, want_bf16=True),
                     *fused.swiglu_backward(t["d"], t["gate"], t["up"], want_bf16=True),
                     *fused.lora_swiglu_backward(lo["d"], *lora_args, scaling=1.5, want_bf16=True),
+                    fused.widen_lowrank(lr["prod"], lr["h"], lr["m"], scaling=lr["s"], bias=lr["bias"]),
                 )
             )
     finally:
@@ -232,6 +263,15 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
         k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"][:, :7], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=r"d_act has shape \[67, 99\], expected \[67, 100\]"):
         k.lora_swiglu_bwd(lo["d"][:, :99], lo["pg"], lo["pu"], lo["h"], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+    lr = _lowrank_operands()
+    with pytest.raises(RuntimeError, match="prod must be a bfloat16 matrix"):
+        k.widen_lowrank(lr["prod"].float(), lr["h"], lr["m"], torch.empty(0), 1.0)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"h must be a float32 \[67, k\] matrix"):
+        k.widen_lowrank(lr["prod"], lr["h"][:9], lr["m"], torch.empty(0), 1.0)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"m must be a float32 \[5, 100\] matrix, got \[5, 99\]"):
+        k.widen_lowrank(lr["prod"], lr["h"], lr["m"][:, :99], torch.empty(0), 1.0)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 vector of 100 elements, got \[3\]"):
+        k.widen_lowrank(lr["prod"], lr["h"], lr["m"], lr["bias"][:3], 1.0)  # type: ignore[union-attr]
     # The Python entry points take any layout: what the kernels cannot take goes to torch ops.
     act, _ = fused.swiglu_forward(t["gate"].t(), t["up"].t())
     torch.testing.assert_close(act, torch.nn.functional.silu(t["gate"].t()) * t["up"].t())
