@@ -100,8 +100,15 @@ def finish_forward(
 def lora_rows(members: Sequence[LoRALinear], x2: Tensor) -> Tensor:
     """The stacked ``h = x·[A_1; …]ᵀ`` [T, Σr] of rows ``x2`` [T, in], written ``[Σr, in]·[in, T]`` (a transposed
     view of a contiguous [Σr, T]: MKL runs the thin ``[T, K]·[K, r]`` layout at 4-20x the time)."""
-    a_cat = torch.cat([m.lora_A for m in members]).detach()
+    a_cat = _stacked_a(members)
     return (a_cat @ x2.t()).t()
+
+
+def _stacked_a(members: Sequence[LoRALinear]) -> Tensor:
+    """``[A_1; …]`` [Σr, in] (detached): a new tensor for several members, the one member's A itself (no copy)."""
+    if len(members) == 1:
+        return members[0].lora_A.detach()
+    return torch.cat([m.lora_A for m in members]).detach()
 
 
 def bf16_products(members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | None = None) -> list[Tensor] | None:
@@ -227,7 +234,7 @@ def backward_parts(
         d_b.append((h[:, o : o + m.rank].t() @ dy).t().mul_(s))
     dx = None
     if need_x:
-        a_cat = torch.cat([m.lora_A for m in members]).detach()
+        a_cat = _stacked_a(members)
         if joint is not None:  # the LoRA part added as the product is widened: no separate pass over dX
             dx = widen_lowrank(joint_input_grad_product(joint, dys, packed=dys_bf16), g.t(), a_cat, scaling=s)
         elif single is not None:
