@@ -44,7 +44,7 @@ def groupable(members: Sequence[LoRALinear]) -> bool:
 
 def submit_forward(
     members: Sequence[LoRALinear], x2: Tensor, x2_bf16: Tensor | None = None
-) -> list[Future[Tensor]] | list[Tensor]:
+) -> Sequence[Future[Tensor] | Tensor]:
     """Every member's frozen forward on ``x2`` [T, in] (fp32), in member order: the future of its output (queued
     first, so an NPU works while the CPU goes on), or, where it is a torch bf16 GEMM, its bf16 product (column blocks
     of one product when the members' weights are stacked, ``torch_backend.joint_bf16``), of ``x2_bf16`` when given
@@ -181,7 +181,7 @@ def _add_lora(m: LoRALinear, y: Tensor, h: Tensor, o: int) -> Tensor:
     hm, bt = h[:, o : o + m.rank], m.lora_B.detach().t()
     if y.dtype == torch.bfloat16:
         g = _bf16_gemm(m)
-        assert g is not None, f"{g!r}: a bf16 result from a layer whose forward is no bf16 GEMM"
+        assert g is not None, f"{m.frozen.name}: a bf16 result from a layer whose forward is no bf16 GEMM"
         return widen_lowrank(y, hm, bt, scaling=m.scaling, bias=g.bias)
     return y.addmm_(hm, bt, alpha=m.scaling)
 
