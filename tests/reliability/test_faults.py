@@ -34,19 +34,26 @@ CLEAR_CODES = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, g
 
 
 def test_backend_failing_mid_job_fails_the_job_cleanly(tmp_path: Path, tiny_llama: Path, monkeypatch, tally) -> None:
-    """Injected: the frozen-matmul backend raises on its 40th call (mid-training); the daemon must survive."""
+    """Injected: the frozen-matmul backend raises from its 40th call on (mid-training), whichever of its entry points
+    runs the product (the LoRA nodes take a bf16 GEMM's product directly); the daemon must survive."""
     from lorad.kernels import torch_backend
 
+    cls = torch_backend.TorchFrozenLinear
+    entry_points = ("forward", "input_grad", "bf16_product", "input_grad_product")
+    real = {name: getattr(cls, name) for name in entry_points}
     calls = {"n": 0}
-    real = torch_backend.TorchFrozenLinear.forward
 
-    def failing(self, x):
-        calls["n"] += 1
-        if calls["n"] >= 40:
-            raise RuntimeError("injected NPU fault: QNN graph execute returned 6031")
-        return real(self, x)
+    def failing(name: str):
+        def call(self, x):
+            calls["n"] += 1
+            if calls["n"] >= 40:
+                raise RuntimeError("injected NPU fault: QNN graph execute returned 6031")
+            return real[name](self, x)
 
-    monkeypatch.setattr(torch_backend.TorchFrozenLinear, "forward", failing)
+        return call
+
+    for name in entry_points:
+        monkeypatch.setattr(cls, name, failing(name))
     d = InProcDaemon(tmp_path / "npu", tiny_llama)
     try:
         app = d.register("npu")
@@ -62,7 +69,8 @@ def test_backend_failing_mid_job_fails_the_job_cleanly(tmp_path: Path, tiny_llam
         assert ok
         assert app.healthy()
         # The NPU is released: with the fault removed the next job trains to the end.
-        monkeypatch.setattr(torch_backend.TorchFrozenLinear, "forward", real)
+        for name in entry_points:
+            monkeypatch.setattr(cls, name, real[name])
         nxt = wait_state(app, create_job(app, "after", ("train",), steps=4).job_id, FINAL, 120)
         assert nxt.state == jobs_pb2.JOB_STATE_SUCCEEDED, nxt.error
     finally:
