@@ -322,14 +322,19 @@ struct LoraPair {
   int64_t R, F, Fp;
 };
 
-std::vector<float> transposed(const at::Tensor& b, int64_t Fp) {
-  const int64_t F = b.size(0), r = b.size(1);
-  const at::Tensor bc = b.contiguous();
-  const float* bp = bc.data_ptr<float>();
-  std::vector<float> out(static_cast<size_t>(Fp * r), 0.0f);
-  for (int64_t c = 0; c < F; ++c) {
-    for (int64_t k = 0; k < r; ++k) out[static_cast<size_t>(k * Fp + c)] = bp[c * r + k];
-  }
+// m float32 [k, N] (any strides) as k rows of Np >= N floats, zeros past N: the layout the LoRA tile sums read (for
+// m = Bᵀ of a LoRA B [N, r], B's rows are read in order). Threads split the columns.
+std::vector<float> padded_rows(const at::Tensor& m, int64_t Np) {
+  const int64_t k = m.size(0), N = m.size(1), ms0 = m.stride(0), ms1 = m.stride(1);
+  const float* mp = m.data_ptr<float>();
+  std::vector<float> out(static_cast<size_t>(k * Np), 0.0f);
+  float* dst = out.data();
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, k));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      for (int64_t kk = 0; kk < k; ++kk) dst[kk * Np + c] = mp[kk * ms0 + c * ms1];
+    }
+  });
   return out;
 }
 
@@ -352,7 +357,7 @@ LoraPair lora_pair(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor&
   return LoraPair{reinterpret_cast<const uint16_t*>(pg.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(pu.data_ptr<at::BFloat16>()),
                   pg.stride(0), pu.stride(0), h.data_ptr<float>(), h.stride(0), h.stride(1), rg, ru,
-                  transposed(bg, Fp), transposed(bu, Fp), static_cast<float>(s), R, F, Fp};
+                  padded_rows(bg.t(), Fp), padded_rows(bu.t(), Fp), static_cast<float>(s), R, F, Fp};
 }
 
 // out[i, 0 : 32] = Σ_k h[i][k]·bT[k, c0 : c0 + 32] for the tile's rows i (k in order; bT's rows are ldb apart, out's
@@ -504,16 +509,7 @@ at::Tensor widen_lowrank(const at::Tensor& prod, const at::Tensor& h, const at::
   const int64_t row_tiles = (R + kTileRows - 1) / kTileRows, col_tiles = (N + kTileCols - 1) / kTileCols;
   const bool m_direct = ms1 == 1 && N % kTileCols == 0;  // m's rows hold whole tiles: the sums read m itself
   const int64_t Np = col_tiles * kTileCols, ldm = m_direct ? ms0 : Np;
-  std::vector<float> padded;  // else m as [k, Np] rows, zeros past N
-  if (!m_direct) {
-    padded.assign(static_cast<size_t>(k * Np), 0.0f);
-    float* dst = padded.data();
-    at::parallel_for(0, N, kGrainElements / k, [&](int64_t c_begin, int64_t c_end) {
-      for (int64_t c = c_begin; c < c_end; ++c) {  // a transposed view (m = Bᵀ) reads B's rows in order
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * Np + c] = mp[kk * ms0 + c * ms1];
-      }
-    });
-  }
+  const std::vector<float> padded = m_direct ? std::vector<float>() : padded_rows(m, Np);
   const float* mrows = m_direct ? mp : padded.data();
   std::vector<float> bias_row(static_cast<size_t>(Np), 0.0f);  // + 0 without a bias: exact
   for (int64_t c = 0; c < N && bp != nullptr; ++c) bias_row[static_cast<size_t>(c)] = bp[c];

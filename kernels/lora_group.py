@@ -66,7 +66,8 @@ def takes_bf16_rows(members: Sequence[LoRALinear]) -> bool:
 
 
 def stacked(members: Sequence[LoRALinear]) -> bool:
-    """Whether the members' bf16 weights are stacked (one GEMM a direction; ``torch_backend.stack_bf16``)."""
+    """Whether the members' bf16 weights are stacked (one GEMM a direction; ``torch_backend.stack_bf16``), a single
+    member at bf16 both ways counting as a group of one (``torch_backend.joint_bf16``)."""
     return _joint(members) is not None
 
 
@@ -220,10 +221,8 @@ def backward_parts(
     computes them while the CPU does the rest."""
     s = members[0].scaling
     joint = _joint(members) if need_x else None
-    # a single torch bf16 member's input-gradient product, widened with the LoRA part like the stacked members'
-    single = bf16_gemm(members[0].frozen, backward=True) if need_x and len(members) == 1 else None
     futs = []
-    if need_x and joint is None and single is None:
+    if need_x and joint is None:
         # contiguous for backends that hand the rows to a runtime (column blocks of [d_gate | d_up] are not)
         futs = [m.queue.submit(m.frozen.input_grad, dy.contiguous()) for m, dy in zip(members, dys, strict=True)]
     total_r = sum(m.rank for m in members)
@@ -237,8 +236,6 @@ def backward_parts(
         a_cat = _stacked_a(members)
         if joint is not None:  # the LoRA part added as the product is widened: no separate pass over dX
             dx = widen_lowrank(joint_input_grad_product(joint, dys, packed=dys_bf16), g.t(), a_cat, scaling=s)
-        elif single is not None:
-            dx = widen_lowrank(single.input_grad_product(dys[0]), g.t(), a_cat, scaling=s)
         else:
             dx = futs[0].result()
             for fut in futs[1:]:

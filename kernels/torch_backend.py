@@ -128,8 +128,9 @@ def stack_bf16(layers: Sequence[object]) -> bool:
 
 
 def joint_bf16(layers: Sequence[object]) -> Tensor | None:
-    """The [Σout, in] bf16 weight whose consecutive row blocks are these layers' weights (``stack_bf16`` made it),
-    or None when they are not stacked (another backend or precision, a layer the planner rebuilt, another order).
+    """The [Σout, in] bf16 weight whose consecutive row blocks are these layers' weights (``stack_bf16`` made it;
+    for a single torch layer at bf16 both ways, its own weight: a group of one), or None when they are not stacked
+    (another backend or precision, a layer the planner rebuilt, another order).
 
     ``x·Jᵀ`` is then every layer's bf16 product side by side, and ``[dy_1 … dy_n]·J`` the sum of their input
     gradients: one GEMM a direction instead of one per layer, a single bf16 rounding of the summed dX instead of one
@@ -138,6 +139,8 @@ def joint_bf16(layers: Sequence[object]) -> Tensor | None:
     0.93 -> 0.77 ms.
     """
     first = layers[0] if layers else None
+    if len(layers) == 1 and isinstance(first, TorchFrozenLinear) and _bf16_both_ways(first):
+        return first._store["bf16"][0]
     if len(layers) < 2 or not isinstance(first, TorchFrozenLinear) or first._joint is None:
         return None
     joint, group = first._joint

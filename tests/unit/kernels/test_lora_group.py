@@ -20,6 +20,7 @@ from lorad.server.engine.models.mlp import fusable, lora_swiglu
 
 
 def _layers(shapes: list[tuple[int, int]], *, precision: str = "fp32", seed: int = 0) -> list[LoRALinear]:
+    torch.manual_seed(seed)  # LoRALinear draws A from the global generator: the same layers in every run
     g = torch.Generator().manual_seed(seed)
     out = []
     for o, i in shapes:
@@ -253,3 +254,27 @@ def test_separate_weights_that_happen_to_lie_back_to_back_are_not_taken_for_stac
     assert tb.stack_bf16(frozen)
     joint = tb.joint_bf16(frozen)
     assert joint is not None and torch.equal(joint, torch.cat(ws))
+
+
+def test_a_single_layer_at_bf16_both_ways_is_a_group_of_one() -> None:
+    """down_proj alone: its own bf16 weight serves as the joint one, so its input gradient comes from the stacked
+    path (one GEMM, widened with the LoRA part in the same pass); a layer at bf16 one way only is no group."""
+    from lorad.kernels import torch_backend as tb
+
+    (m,) = _layers([(24, 16)], precision="bf16")
+    assert tb.joint_bf16([m.frozen]) is m.frozen._store["bf16"][0]
+    w = m.frozen._dense("bf16")
+    fwd_only = tb.TorchFrozenLinear(w, None, precision="bf16", precision_bwd="fp32", name="fwd_only")
+    assert tb.joint_bf16([fwd_only]) is None
+    g = torch.Generator().manual_seed(5)
+    x2, dy = torch.randn(7, 16, generator=g), torch.randn(7, 24, generator=g)
+    ys, h = finish_forward([m], x2, submit_forward([m], x2))
+    dx, (d_a,), (d_b,) = lora_group_backward([m], x2, h, [dy], need_x=True)
+    x = x2.clone().requires_grad_()
+    y_ref = m(x)
+    (y_ref * dy).sum().backward()
+    torch.testing.assert_close(ys[0], y_ref.detach(), rtol=1e-5, atol=1e-5)
+    assert dx is not None
+    torch.testing.assert_close(dx, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_a, m.lora_A.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_b, m.lora_B.grad, rtol=1e-5, atol=1e-5)
