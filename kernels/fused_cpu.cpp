@@ -9,6 +9,9 @@
 // Inputs: float32 (or, for GEMM products, bfloat16) matrices whose columns are contiguous (stride(1) == 1); rows may
 // be strided (column blocks of a wider tensor). Outputs: new contiguous tensors. No libm calls in the loops (a
 // polynomial exp), so the compiler vectorizes them for the build machine's own vector unit (AVX-512, AVX2, NEON).
+// A float scalar or pointer a vectorized loop reads is a local of the thread's lambda, not a variable it captures by
+// reference: GCC 12 then reloaded it every iteration, as a gather (objdump: the attention forward gathered its scale
+// for every 16 scores, 440 -> 310 us a SmolLM2 layer once local; rms_norm_bwd gathered w, 34 -> 16 us at [256, 576]).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -196,17 +199,18 @@ at::Tensor rms_norm_bwd(const at::Tensor& g, const at::Tensor& x, const at::Tens
   const float* rp = rstd.data_ptr<float>();
   float* dp = dx.data_ptr<float>();
   at::parallel_for(0, R, grain_rows(C), [&](int64_t begin, int64_t end) {
+    const float* w = wp;
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * ldx;
       const float* gr = gp + r * ldg;
       const float rs = rp[r];
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t c = 0; c < C; ++c) dot += gr[c] * wp[c] * (xr[c] * rs);
+      for (int64_t c = 0; c < C; ++c) dot += gr[c] * w[c] * (xr[c] * rs);
       const float mean = dot / static_cast<float>(C);
       float* dr = dp + r * C;
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) dr[c] = rs * (gr[c] * wp[c] - (xr[c] * rs) * mean);
+      for (int64_t c = 0; c < C; ++c) dr[c] = rs * (gr[c] * w[c] - (xr[c] * rs) * mean);
     }
   });
   return dx;
@@ -911,6 +915,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Te
     TileScope tiles;
     std::vector<float> S(kAttnRows * Tk), O(kAttnRows * kAttnCols);
     std::vector<uint16_t> P(kAttnRows * Tk);
+    const float scale = scale_d;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nq, b = bh / H, h = bh % H, kvh = b * KV + h / g;
       const int64_t i0 = balanced_block(t % nq, nq) * kAttnRows;
@@ -989,6 +994,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Te
     TileScope tiles;
     std::vector<float> S(kAttnRows * Tk), dP(kAttnRows * Tk), O(kAttnRows * kAttnCols);
     std::vector<uint16_t> dS(kAttnRows * Tk), Pb(kAttnRows * Tk);
+    const float scale = scale_d;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nq, b = bh / H, h = bh % H, kvh = b * KV + h / g;
       const int64_t i0 = balanced_block(t % nq, nq) * kAttnRows;
