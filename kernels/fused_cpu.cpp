@@ -900,7 +900,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Te
   TORCH_CHECK(attention_amx_ready(0), "causal_attention_fwd needs AMX tiles (this build or process has none)");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), g = H / KV;
   const int64_t Tk = round_up(T, 32), nq = Tk / kAttnRows;
-  const float scale = static_cast<float>(scale_d);
   const at::Tensor Qr = rows_bf16(q, Tk), Kd = column_dwords(rows_bf16(k, Tk)), Vr = rows_bf16(v, Tk);
   const at::Tensor Vp = row_pairs(Vr);
   at::Tensor out = at::empty({B, T, H * D}, q.options().dtype(at::kBFloat16));
@@ -915,7 +914,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Te
     TileScope tiles;
     std::vector<float> S(kAttnRows * Tk), O(kAttnRows * kAttnCols);
     std::vector<uint16_t> P(kAttnRows * Tk);
-    const float scale = scale_d;
+    const float scale = static_cast<float>(scale_d);  // a local: see the note at the top
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nq, b = bh / H, h = bh % H, kvh = b * KV + h / g;
       const int64_t i0 = balanced_block(t % nq, nq) * kAttnRows;
@@ -972,7 +971,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Te
   TORCH_CHECK(dout.dim() == 3 && dout.size(0) == B && dout.size(1) == T && dout.size(2) == H * D,
               "dout must be [", B, ", ", T, ", ", H * D, "], got ", dout.sizes());
   TORCH_CHECK(attention_amx_ready(0), "causal_attention_bwd needs AMX tiles (this build or process has none)");
-  const float scale = static_cast<float>(scale_d);
   const at::Tensor Qr = rows_bf16(q, Tk), Kr = rows_bf16(k, Tk);
   const at::Tensor dOr = rows_bf16(dout.reshape({B, T, H, D}).transpose(1, 2), Tk);
   const at::Tensor Kd = column_dwords(Kr), Vd = column_dwords(vr), Kp = row_pairs(Kr);
@@ -994,7 +992,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Te
     TileScope tiles;
     std::vector<float> S(kAttnRows * Tk), dP(kAttnRows * Tk), O(kAttnRows * kAttnCols);
     std::vector<uint16_t> dS(kAttnRows * Tk), Pb(kAttnRows * Tk);
-    const float scale = scale_d;
+    const float scale = static_cast<float>(scale_d);  // a local: see the note at the top
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / nq, b = bh / H, h = bh % H, kvh = b * KV + h / g;
       const int64_t i0 = balanced_block(t % nq, nq) * kAttnRows;
