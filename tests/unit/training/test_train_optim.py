@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lorad.server.engine.training.config import TrainConfig
-from lorad.server.engine.training.optim import LayerwiseAdamW
+from lorad.server.engine.training.optim import LayerwiseAdamW, _clip_global
 from tests.fixtures.tiny_lm import TinyLM, make_trainer
 
 KW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
@@ -66,6 +66,30 @@ def test_global_clip_is_exact_and_not_early() -> None:
     ref = _run_reference(0.05)
     assert _max_diff(m, ref) < 1e-7
     assert _max_diff(ref, _run_reference(0.0)) > 1e-4  # the clip was active
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6, float("nan")])
+def test_global_clip_gives_torchs_bits_whether_or_not_it_clips(max_norm: float) -> None:
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 40, 257)]
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    if max_norm != max_norm:  # NaN stands for a NaN gradient: torch spreads it to every gradient
+        grads[1][5] = float("nan")
+        max_norm = 1.0
+    ours, theirs = [torch.nn.Parameter(torch.zeros(p.shape)) for p in params], params
+    for a, b, gr in zip(ours, theirs, grads, strict=True):
+        a.grad, b.grad = gr.clone(), gr.clone()
+    norm = _clip_global(ours, max_norm)
+    ref = torch.nn.utils.clip_grad_norm_(theirs, max_norm, foreach=True)
+    torch.testing.assert_close(torch.tensor(norm), ref, rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, equal_nan=True)
+
+
+def test_global_clip_off_gives_plain_adamw_bits() -> None:
+    m, early = _run_layerwise(overlap=True, max_norm=1e6, mode="global")
+    assert early == [0, 0, 0, 0]
+    assert _max_diff(m, _run_reference(0.0)) == 0.0  # a norm within the bound changes no gradient
 
 
 def test_per_layer_clip_overlapped_equals_sequential() -> None:
