@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -480,6 +481,139 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd(const at::Tensor&
     }
   });
   return {dgu, dgub, act};
+}
+
+// Rows of gate's and up's output gradients a partial sum of their lora_B gradients covers: the sums over rows run
+// in these blocks, one thread each, and the blocks' partials are added in block order, so the result does not
+// depend on the thread count.
+constexpr int64_t kGradBlockRows = 64;
+
+// acc[k][c] += Σ_i hk[i][k]·d[i][c] for the tile's rows i < nr (hk: kTileRows rows of `rank` floats, d: rows ld
+// floats apart) and columns c < F, a multiple of 16; acc rows are lda floats apart. The rows' 16 columns are loaded
+// once and feed every k.
+void accumulate_tile_outer(const float* d, int64_t ld, int64_t nr, const float* hk, int64_t rank, float* acc,
+                           int64_t lda, int64_t F) {
+  for (int64_t c = 0; c < F; c += 16) {
+    v16 dv[kTileRows];
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      if (i < nr) {
+        std::memcpy(&dv[i], d + i * ld + c, sizeof(v16));
+      } else {
+        dv[i] = v16{};
+      }
+    }
+    for (int64_t k = 0; k < rank; ++k) {
+      v16 a;
+      std::memcpy(&a, acc + k * lda + c, sizeof a);
+      for (int64_t i = 0; i < nr; ++i) a += hk[i * rank + k] * dv[i];
+      std::memcpy(acc + k * lda + c, &a, sizeof a);
+    }
+  }
+}
+
+// Sum of a vector's 16 lanes, in lane order.
+inline float lane_sum(const v16& a) {
+  float lanes[16];
+  std::memcpy(lanes, &a, sizeof lanes);
+  float sum = 0.0f;
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  return sum;
+}
+
+// out[i][k] = Σ_c d[i][c]·bT[k][c] for the tile's rows i < nr (d rows ld floats apart, out rows ldo apart), k < rank
+// (bT rows ldb floats apart), c < F (a multiple of 16): two rows and up to eight k at a time, 16 lanes each, the lanes
+// then summed in order.
+void tile_row_dots(const float* d, int64_t ld, int64_t nr, const float* bT, int64_t ldb, int64_t rank, int64_t F,
+                   float* out, int64_t ldo) {
+  for (int64_t i0 = 0; i0 < nr; i0 += 2) {
+    const bool two = i0 + 1 < nr;
+    const float* d0 = d + i0 * ld;
+    const float* d1 = two ? d0 + ld : d0;
+    for (int64_t k0 = 0; k0 < rank; k0 += 8) {
+      const int64_t kn = std::min<int64_t>(8, rank - k0);
+      v16 a0[8] = {}, a1[8] = {};
+      for (int64_t c = 0; c < F; c += 16) {
+        v16 x0, x1;
+        std::memcpy(&x0, d0 + c, sizeof x0);
+        std::memcpy(&x1, d1 + c, sizeof x1);
+#pragma GCC unroll 8
+        for (int64_t kk = 0; kk < 8; ++kk) {
+          if (kk < kn) {
+            v16 b;
+            std::memcpy(&b, bT + (k0 + kk) * ldb + c, sizeof b);
+            a0[kk] += x0 * b;
+            a1[kk] += x1 * b;
+          }
+        }
+      }
+      for (int64_t kk = 0; kk < kn; ++kk) {
+        out[i0 * ldo + k0 + kk] = lane_sum(a0[kk]);
+        if (two) out[(i0 + 1) * ldo + k0 + kk] = lane_sum(a1[kk]);
+      }
+    }
+  }
+}
+
+// lora_swiglu_bwd's bf16 [d_gate | d_up] and act, with gate's and up's LoRA gradients from the same pass, while each
+// tile's fp32 gradients are in cache (they are never written out): g [R, rg + ru] = [d_gate·B_g | d_up·B_u] (the
+// rank-space gradient the input gradient and dA multiply) and dB_gᵀ [rg, F] = s·Σ_rows h_g ⊗ d_gate, dB_uᵀ likewise.
+// F must be a multiple of 16.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd_grads(
+    const at::Tensor& d_act, const at::Tensor& pg, const at::Tensor& pu, const at::Tensor& h, const at::Tensor& bg,
+    const at::Tensor& bu, double s_d) {
+  const LoraPair p = lora_pair(pg, pu, h, bg, bu, s_d);
+  check_rows(d_act, "d_act");
+  TORCH_CHECK(d_act.size(0) == p.R && d_act.size(1) == p.F, "d_act has shape ", d_act.sizes(), ", expected [", p.R,
+              ", ", p.F, "]");
+  TORCH_CHECK(p.F % 16 == 0, "the intermediate size must be a multiple of 16, got ", p.F);
+  const int64_t R = p.R, F = p.F, rg = p.rg, ru = p.ru, rk = rg + ru, ldd = d_act.stride(0);
+  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
+  at::Tensor dgub = at::empty({R, 2 * F}, h.options().dtype(at::kBFloat16));
+  at::Tensor act = at::empty({R, F}, h.options());
+  at::Tensor g = at::empty({R, rk}, h.options());
+  at::Tensor part = at::zeros({blocks, rk, F}, h.options());  // each block's Σ h ⊗ d: gate's ranks, then up's
+  const float* dp = d_act.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  float* gp = g.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  uint16_t* bp = bf16_data(dgub);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(2 * kTileRows * p.Fp));
+    std::vector<float> dgu(static_cast<size_t>(kTileRows * 2 * F));  // the tile's [d_gate | d_up] rows
+    std::vector<float> hg(static_cast<size_t>(kTileRows * rg)), hu(static_cast<size_t>(kTileRows * ru));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      float* acc = pp + blk * rk * F;
+      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
+        const int64_t nr = std::min(kTileRows, R - r0);
+        lora_swiglu_tile(p, r0, buf.data(), buf.data() + kTileRows * p.Fp, ap + r0 * F);
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t r = r0 + i;
+          float* row = dgu.data() + i * 2 * F;
+          swiglu_grad_row(dp + r * ldd, buf.data() + i * p.Fp, buf.data() + (kTileRows + i) * p.Fp, F, row,
+                          bp + r * 2 * F);
+          const float* hr = p.h + r * p.hs0;
+          for (int64_t k = 0; k < rg; ++k) hg[static_cast<size_t>(i * rg + k)] = hr[k * p.hs1];
+          for (int64_t k = 0; k < ru; ++k) hu[static_cast<size_t>(i * ru + k)] = hr[(rg + k) * p.hs1];
+        }
+        tile_row_dots(dgu.data(), 2 * F, nr, p.bgT.data(), p.Fp, rg, F, gp + r0 * rk, rk);
+        tile_row_dots(dgu.data() + F, 2 * F, nr, p.buT.data(), p.Fp, ru, F, gp + r0 * rk + rg, rk);
+        accumulate_tile_outer(dgu.data(), 2 * F, nr, hg.data(), rg, acc, F, F);
+        accumulate_tile_outer(dgu.data() + F, 2 * F, nr, hu.data(), ru, acc + rg * F, F, F);
+      }
+    }
+  });
+  at::Tensor dbT = at::empty({rk, F}, h.options());
+  float* op = dbT.data_ptr<float>();
+  at::parallel_for(0, rk * F, kGrainElements, [&](int64_t begin, int64_t end) {
+    const float s = static_cast<float>(s_d);
+    const float* part_p = pp;
+    for (int64_t e = begin; e < end; ++e) {
+      float v = part_p[e];
+      for (int64_t b = 1; b < blocks; ++b) v += part_p[b * rk * F + e];
+      op[e] = s * v;
+    }
+  });
+  return {dgub, act, g, dbT.narrow(0, 0, rg), dbT.narrow(0, rg, ru)};
 }
 
 // out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
@@ -1091,6 +1225,9 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("lora_swiglu_bwd(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, "
         "bool want_bf16) -> (Tensor, Tensor, Tensor)",
         &lora_swiglu_bwd);
+  m.def("lora_swiglu_bwd_grads(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &lora_swiglu_bwd_grads);
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);

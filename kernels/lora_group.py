@@ -244,6 +244,22 @@ def backward_parts(
     return dx, g, d_b
 
 
+def backward_from_rank_rows(
+    members: Sequence[LoRALinear], x2: Tensor, g_rows: Tensor, dys_bf16: Tensor, *, need_x: bool
+) -> tuple[Tensor | None, list[Tensor]]:
+    """(dX or None, [dA_i]) of stacked members (``stacked``) whose rank-space gradient ``g_rows`` [T, Σr], row t
+    holding every ``dy_i[t]·B_i`` side by side, and dB the caller's own pass already took, with their output gradients
+    side by side in bf16 ``dys_bf16`` [T, Σout] (``fused.lora_swiglu_backward_grads``): ``backward`` without its thin
+    products over the fp32 output gradients."""
+    joint = _joint(members)
+    assert joint is not None, f"{members[0].frozen.name}: its group is not stacked"
+    dx = None
+    if need_x:
+        prod = joint_input_grad_product(joint, (), packed=dys_bf16)
+        dx = widen_lowrank(prod, g_rows, _stacked_a(members), scaling=members[0].scaling)
+    return dx, a_grads(members, g_rows.t(), x2)
+
+
 def a_grads(members: Sequence[LoRALinear], g: Tensor, x2: Tensor) -> list[Tensor]:
     """[dA_i] from ``backward_parts``' ``g`` and the node's input rows ``x2`` [T, in]: one ``[Σr, T]·[T, in]``."""
     d_a_cat = (g @ x2).mul_(members[0].scaling)  # [Σr, in]

@@ -116,6 +116,33 @@ def test_lora_swiglu_matches_torch_and_gives_the_backward_the_forwards_act(ops: 
     assert fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw)[1] is None
 
 
+def test_lora_swiglu_backward_takes_gate_and_ups_lora_gradients_in_its_pass(ops: object) -> None:
+    t = _lora_operands(cols=96)  # a multiple of 16, no multiple of 32 (the tiles' padded width is wider)
+    prods, h, bs, s = (t["pg"], t["pu"]), t["h"], (t["bg"], t["bu"]), t["s"]
+    got = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, scaling=s)
+    assert got is not None
+    d_gu_b, act, g, db_g, db_u = got
+    d_gu, d_gu_b_ref, act_ref = fused.lora_swiglu_backward(t["d"], prods, h, bs, scaling=s, want_bf16=True)
+    assert torch.equal(act, act_ref) and d_gu_b_ref is not None and torch.equal(d_gu_b, d_gu_b_ref)
+    dg, du = d_gu.double()[:, :96], d_gu.double()[:, 96:]
+    hg, hu = h.double()[:, :3], h.double()[:, 3:]
+    assert g.shape == (67, 8)
+    assert _rel(g, torch.cat([dg @ t["bg"].double(), du @ t["bu"].double()], 1)) < 1e-6
+    assert db_g.shape == (96, 3) and db_u.shape == (96, 5)
+    assert _rel(db_g, s * dg.t() @ hg) < 1e-6 and _rel(db_u, s * du.t() @ hu) < 1e-6
+    again = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, scaling=s)
+    assert again is not None and all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
+    # what the kernel does not take is the caller's to compute the usual way
+    w = _lora_operands()  # 100 columns: no multiple of 16
+    assert fused.lora_swiglu_backward_grads(w["d"], (w["pg"], w["pu"]), w["h"], (w["bg"], w["bu"]), scaling=1.0) is None
+    with fused.disabled():
+        assert fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, scaling=s) is None
+    with pytest.raises(RuntimeError, match="the intermediate size must be a multiple of 16, got 100"):
+        ops.lora_swiglu_bwd_grads(w["d"], w["pg"], w["pu"], w["h"], w["bg"], w["bu"], 1.0)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"d_act has shape \[67, 95\], expected \[67, 96\]"):
+        ops.lora_swiglu_bwd_grads(t["d"][:, :95], *prods, h, *bs, 1.0)  # type: ignore[attr-defined]
+
+
 def _lowrank_operands(rows: int = 67, cols: int = 100, k: int = 5, seed: int = 4) -> dict[str, Any]:
     """A bf16 product as a column block of a wider one (rows strided), h and m as transposed views (as the LoRA nodes
     pass ``(A·xᵀ)ᵀ`` and ``Bᵀ``), a bias; an odd row count and a column count that is no whole number of tiles."""
@@ -234,6 +261,7 @@ def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
                     *fused.rms_norm_forward(t["x"], t["w"], 1e-6, want_bf16=True),
                     *fused.swiglu_backward(t["d"], t["gate"], t["up"], want_bf16=True),
                     *fused.lora_swiglu_backward(lo["d"], *lora_args, scaling=1.5, want_bf16=True),
+                    *(fused.lora_swiglu_backward_grads(lo["d"], *lora_args, scaling=1.5) or ()),
                     fused.widen_lowrank(lr["prod"], lr["h"], lr["m"], scaling=lr["s"], bias=lr["bias"]),
                 )
             )
