@@ -112,9 +112,9 @@ class _LoRASwiGLU(torch.autograd.Function):
             if stacked((gate_l, up_l)):
                 grads = lora_swiglu_backward_grads(d_act, kept, h_gu, bs, scaling=gate_l.scaling)
             if grads is not None:
-                d_gu_b, act, g_rows, d_b_g, d_b_u = grads
+                gu_bf16, act, g_rows, d_b_g, d_b_u = grads
                 (d_a_d,) = a_grads((down_l,), g_d, act)
-                dx, (d_a_g, d_a_u) = backward_from_rank_rows((gate_l, up_l), x2, g_rows, d_gu_b, need_x=need_x)
+                dx, (d_a_g, d_a_u) = backward_from_rank_rows((gate_l, up_l), x2, g_rows, gu_bf16, need_x=need_x)
                 dx_in = None if dx is None else norm_input_grad(ctx.norm, saved, dx, ctx.in_shape)
                 return None, None, dx_in, d_a_g, d_a_u, d_a_d, d_b_g, d_b_u, d_b_d
             d_gu, d_gu_b, act = lora_swiglu_backward(d_act, kept, h_gu, bs, scaling=gate_l.scaling, want_bf16=want_b)
