@@ -19,7 +19,9 @@ and 911 -> 818 us backward per layer inside the step (-6.9 ms a step in 24 pairs
 its LoRA term in one pass (``widen_lowrank``: q/k/v/o/down outputs and every input gradient of a block) where torch
 widened and then added the term through MKL's thin GEMM, 52 -> 25 us at [256, 576] and rank 8, even at [256, 1536]
 (-8.3 ms a step in two runs of 16 interleaved pairs); gate's and up's LoRA gradients inside the SwiGLU backward's pass
-(``lora_swiglu_backward_grads``), 664 -> 522 us a layer with the thin products it replaces.
+(``lora_swiglu_backward_grads``), 664 -> 522 us a layer with the thin products it replaces; and for every other
+adapted layer, g, dB and the bf16 operand of its input-gradient GEMM from one pass over its output gradient
+(``lora_out_grads``, -9 ms a step).
 """
 
 from __future__ import annotations
@@ -381,6 +383,23 @@ def lora_swiglu_backward_grads(
         return None
     dgub, act, g, dbg_t, dbu_t = ops.lora_swiglu_bwd_grads(d_act, *prods, h, *bs, float(scaling))
     return dgub, act, g, dbg_t.t(), dbu_t.t()
+
+
+def lora_out_grads(
+    dys: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float, want_bf16: bool
+) -> tuple[Tensor | None, Tensor, list[Tensor]] | None:
+    """The LoRA gradients of layers that share the stacked ``h`` [R, Σr], from their fp32 output gradients ``dys``
+    [R, out_i], in one pass over each gradient row: the rows side by side in bf16 when ``want_bf16`` (the stacked
+    input-gradient GEMM's operand, rounded as ``.to(torch.bfloat16)`` rounds; else None), ``g`` [R, Σr] =
+    ``[dy_i·B_i …]`` and each ``dB_i`` [out_i, r_i] = ``s·dy_iᵀ·h_i`` (a transposed view, as ``(h.t() @ dy).t()``
+    gives it), where the thin products read every gradient twice more. None where the kernels do not run this (no
+    build, an output width that is not a multiple of 16, other dtypes or layouts): the caller takes the thin products.
+    The sums run in a fixed order whatever the thread count; they differ from MKL's by float rounding."""
+    ops = kernels()
+    if ops is None or not all(_rows_ok(d) and d.shape[1] % 16 == 0 for d in dys) or not _fp32(h, *bs):
+        return None
+    packed, g, dbs_t = ops.lora_out_grads(list(dys), h, list(bs), float(scaling), want_bf16)
+    return (packed if want_bf16 else None), g, [t.t() for t in dbs_t]
 
 
 def rope_bf16_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

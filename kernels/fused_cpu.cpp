@@ -616,6 +616,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swig
   return {dgub, act, g, dbT.narrow(0, 0, rg), dbT.narrow(0, rg, ru)};
 }
 
+// The LoRA gradients of layers from their output gradients dys[i] [R, out_i] (float32, contiguous columns, out_i a
+// multiple of 16) and the stacked h [R, Σr] (any strides), in one pass over each gradient row: the rows side by side
+// in bfloat16 when asked (the input-gradient GEMM's operand; empty otherwise), g [R, Σr] = [dy_i·B_i …] and each
+// dB_iᵀ [r_i, out_i] = s·Σ_rows h_i ⊗ dy_i, summed over kGradBlockRows-row blocks whose partials add in block order.
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::TensorList dys, const at::Tensor& h,
+                                                                           at::TensorList bs, double s_d,
+                                                                           bool want_bf16) {
+  const int64_t n = static_cast<int64_t>(dys.size());
+  TORCH_CHECK(n > 0 && static_cast<int64_t>(bs.size()) == n, "one lora_B per output gradient: got ", dys.size(),
+              " gradients and ", bs.size(), " matrices");
+  const int64_t R = dys[0].size(0);
+  std::vector<int64_t> outs(n), ranks(n), col0(n + 1, 0), rk0(n + 1, 0);
+  std::vector<std::vector<float>> bT(n);
+  for (int64_t i = 0; i < n; ++i) {
+    check_rows(dys[i], "dy");
+    TORCH_CHECK(dys[i].size(0) == R, "every output gradient must have ", R, " rows, got ", dys[i].sizes());
+    outs[i] = dys[i].size(1);
+    TORCH_CHECK(outs[i] % 16 == 0, "output widths must be multiples of 16, got ", outs[i]);
+    TORCH_CHECK(bs[i].dim() == 2 && bs[i].size(0) == outs[i] && bs[i].size(1) > 0 && bs[i].scalar_type() == at::kFloat,
+                "lora_B must be a float32 [", outs[i], ", r] matrix, got ", bs[i].sizes(), " ", bs[i].scalar_type());
+    ranks[i] = bs[i].size(1);
+    bT[i] = padded_rows(bs[i].t(), outs[i]);
+    col0[i + 1] = col0[i] + outs[i];
+    rk0[i + 1] = rk0[i] + ranks[i];
+  }
+  const int64_t cols = col0[n], rk = rk0[n];
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == R && h.size(1) == rk && h.scalar_type() == at::kFloat,
+              "h must be a float32 [", R, ", ", rk, "] matrix, got ", h.sizes(), " ", h.scalar_type());
+  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
+  at::Tensor packed = at::empty({want_bf16 ? R : 0, cols}, h.options().dtype(at::kBFloat16));
+  at::Tensor g = at::empty({R, rk}, h.options());
+  at::Tensor part = at::zeros({blocks, rk * cols}, h.options());  // per block: member i's [r_i, out_i] at rk0·cols..
+  std::vector<const float*> dp(n);
+  std::vector<int64_t> ld(n);
+  for (int64_t i = 0; i < n; ++i) {
+    dp[i] = dys[i].data_ptr<float>();
+    ld[i] = dys[i].stride(0);
+  }
+  const float* hp = h.data_ptr<float>();
+  const int64_t hs0 = h.stride(0), hs1 = h.stride(1);
+  float* gp = g.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  uint16_t* bp = want_bf16 ? bf16_data(packed) : nullptr;
+  // member i's partial starts at rk0[i]·cols floats into a block's part (room for [r_i, out_i])
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> hk(static_cast<size_t>(kTileRows * rk));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
+        const int64_t nr = std::min(kTileRows, R - r0);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* d = dp[i] + r0 * ld[i];
+          const int64_t out = outs[i], r = ranks[i], ldi = ld[i];
+          if (bp != nullptr) {
+            for (int64_t t = 0; t < nr; ++t) {
+              const float* src = d + t * ldi;
+              uint16_t* dst = bp + (r0 + t) * cols + col0[i];
+#pragma omp simd
+              for (int64_t c = 0; c < out; ++c) dst[c] = to_bf16(src[c]);
+            }
+          }
+          tile_row_dots(d, ldi, nr, bT[i].data(), out, r, out, gp + r0 * rk + rk0[i], rk);
+          for (int64_t t = 0; t < nr; ++t) {
+            for (int64_t k = 0; k < r; ++k) hk[static_cast<size_t>(t * r + k)] = hp[(r0 + t) * hs0 + (rk0[i] + k) * hs1];
+          }
+          accumulate_tile_outer(d, ldi, nr, hk.data(), r, pp + blk * rk * cols + rk0[i] * cols, out, out);
+        }
+      }
+    }
+  });
+  std::vector<at::Tensor> dbT(n);
+  for (int64_t i = 0; i < n; ++i) {
+    dbT[i] = at::empty({ranks[i], outs[i]}, h.options());
+    float* op = dbT[i].data_ptr<float>();
+    const int64_t off = rk0[i] * cols, count = ranks[i] * outs[i];
+    at::parallel_for(0, count, kGrainElements, [&](int64_t begin, int64_t end) {
+      const float s = static_cast<float>(s_d);
+      const float* src = pp + off;
+      for (int64_t e = begin; e < end; ++e) {
+        float v = src[e];
+        for (int64_t b = 1; b < blocks; ++b) v += src[b * rk * cols + e];
+        op[e] = s * v;
+      }
+    });
+  }
+  return {packed, g, dbT};
+}
+
 // out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
 // same pass, one read of the product and one write of the result (a LoRA layer's output, s·h·Bᵀ, or its input
 // gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
@@ -1228,6 +1315,8 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("lora_swiglu_bwd_grads(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)",
         &lora_swiglu_bwd_grads);
+  m.def("lora_out_grads(Tensor[] dys, Tensor h, Tensor[] bs, float s, bool want_bf16) -> (Tensor, Tensor, Tensor[])",
+        &lora_out_grads);
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
-from lorad.kernels.fused import widen_lowrank
+from lorad.kernels.fused import lora_out_grads, widen_lowrank
 from lorad.kernels.queue import NpuQueue, queue_for
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm
 
@@ -95,6 +95,17 @@ class _LoRAFrozenFn(torch.autograd.Function):
         dy2 = rows_fp32(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]
         gemm = bf16_gemm(ctx.frozen, backward=True) if mask is None else None  # its product widened with the LoRA part
+        if mask is None and (gemm is not None or not need_x):  # one pass over dy: g, dB, the GEMM's bf16 operand
+            fused = lora_out_grads([dy2], h, [lora_b], scaling=s, want_bf16=need_x)
+            if fused is not None:
+                packed, g_rows, (d_b_rows,) = fused
+                d_a_f = (g_rows.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
+                dx_f = None
+                if gemm is not None and packed is not None:
+                    dx_f = widen_lowrank(gemm.input_grad_product(packed), g_rows, lora_a, scaling=s)
+                    dx_f = dx_f.reshape(ctx.in_shape)
+                d_b_f = d_b_rows if ctx.needs_input_grad[2] else None
+                return dx_f, d_a_f, d_b_f, None, None, None, None, None
         fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x and gemm is None else None
         g = (lora_b.t() @ dy2.t()).t()  # [T, r], thin-product layout as in forward
         d_b = (h.t() @ dy2).t().mul_(s) if ctx.needs_input_grad[2] else None

@@ -143,6 +143,37 @@ def test_lora_swiglu_backward_takes_gate_and_ups_lora_gradients_in_its_pass(ops:
         ops.lora_swiglu_bwd_grads(t["d"][:, :95], *prods, h, *bs, 1.0)  # type: ignore[attr-defined]
 
 
+def test_lora_out_grads_match_the_thin_products_and_the_bf16_copy(ops: object) -> None:
+    g = torch.Generator().manual_seed(5)
+    rows = 133  # two 64-row blocks and a remainder, a remainder tile of 5 rows
+    dys = [torch.randn(rows, 160, generator=g)[:, :96], torch.randn(rows, 32, generator=g)]  # strided rows, two widths
+    bs = [torch.randn(96, 8, generator=g), torch.randn(4, 32, generator=g).t()]  # ranks 8 and 4, B as a view
+    h = torch.randn(12, rows, generator=g).t()
+    got = fused.lora_out_grads(dys, h, bs, scaling=0.5, want_bf16=True)
+    assert got is not None
+    packed, g_rows, d_bs = got
+    assert packed is not None and torch.equal(packed, torch.cat([d.to(torch.bfloat16) for d in dys], 1))
+    for i, (dy, b, o, r) in enumerate(zip(dys, bs, (0, 8), (8, 4), strict=True)):
+        assert _rel(g_rows[:, o : o + r], dy.double() @ b.double()) < 1e-6, i
+        assert d_bs[i].shape == b.shape and _rel(d_bs[i], 0.5 * dy.double().t() @ h[:, o : o + r].double()) < 1e-6, i
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused.lora_out_grads(dys, h, bs, scaling=0.5, want_bf16=False)
+    finally:
+        torch.set_num_threads(before)
+    assert one is not None and one[0] is None and torch.equal(one[1], g_rows)
+    assert all(torch.equal(a, b) for a, b in zip(one[2], d_bs, strict=True))
+    assert (
+        fused.lora_out_grads([torch.randn(rows, 100)], h[:, :8], [torch.randn(100, 8)], scaling=1.0, want_bf16=True)
+        is None
+    )
+    with pytest.raises(RuntimeError, match=r"h must be a float32 \[133, 12\] matrix, got \[133, 11\]"):
+        ops.lora_out_grads(dys, h[:, :11], bs, 1.0, True)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="one lora_B per output gradient: got 2 gradients and 1 matrices"):
+        ops.lora_out_grads(dys, h, bs[:1], 1.0, True)  # type: ignore[attr-defined]
+
+
 def _lowrank_operands(rows: int = 67, cols: int = 100, k: int = 5, seed: int = 4) -> dict[str, Any]:
     """A bf16 product as a column block of a wider one (rows strided), h and m as transposed views (as the LoRA nodes
     pass ``(A·xᵀ)ᵀ`` and ``Bᵀ``), a bias; an odd row count and a column count that is no whole number of tiles."""
