@@ -703,6 +703,59 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::T
   return {packed, g, dbT};
 }
 
+// dA [k, C] = s·Σ_rows g[row]ᵀ ⊗ y[row] for y = rms_norm_apply(x, rstd, w) (the same expression, so the same bits),
+// recomputed a tile of rows at a time and never written out: the LoRA A gradients of the layers that read the normed
+// rows, g [R, k] their rank-space gradient (any strides). C must be a multiple of 16; the sums over rows run in
+// kGradBlockRows-row blocks added in block order.
+at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& w, const at::Tensor& g,
+                            double s_d) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0);
+  check_weight(w, C);
+  check_rstd(rstd, R);
+  TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == R && g.size(1) > 0 && g.scalar_type() == at::kFloat,
+              "g must be a float32 [", R, ", k] matrix, got ", g.sizes(), " ", g.scalar_type());
+  const int64_t k = g.size(1), gs0 = g.stride(0), gs1 = g.stride(1);
+  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
+  at::Tensor part = at::zeros({blocks, k * C}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const float* wl = wp;
+    std::vector<float> y(static_cast<size_t>(kTileRows * C)), hk(static_cast<size_t>(kTileRows * k));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
+        const int64_t nr = std::min(kTileRows, R - r0);
+        for (int64_t i = 0; i < nr; ++i) {
+          const float* xr = xp + (r0 + i) * ldx;
+          const float rs = rp[r0 + i];
+          float* yr = y.data() + i * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * rs * wl[c];
+          for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
+        }
+        accumulate_tile_outer(y.data(), C, nr, hk.data(), k, pp + blk * k * C, C, C);
+      }
+    }
+  });
+  at::Tensor out = at::empty({k, C}, x.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, k * C, kGrainElements, [&](int64_t begin, int64_t end) {
+    const float s = static_cast<float>(s_d);
+    const float* src = pp;
+    for (int64_t e = begin; e < end; ++e) {
+      float v = src[e];
+      for (int64_t b = 1; b < blocks; ++b) v += src[b * k * C + e];
+      op[e] = s * v;
+    }
+  });
+  return out;
+}
+
 // out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
 // same pass, one read of the product and one write of the result (a LoRA layer's output, s·h·Bᵀ, or its input
 // gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
@@ -1304,6 +1357,7 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("rms_norm_fwd(Tensor x, Tensor w, float eps, bool want_bf16) -> (Tensor, Tensor, Tensor)", &rms_norm_fwd);
   m.def("rms_norm_apply(Tensor x, Tensor rstd, Tensor w) -> Tensor", &rms_norm_apply);
   m.def("rms_norm_bwd(Tensor g, Tensor x, Tensor rstd, Tensor w) -> Tensor", &rms_norm_bwd);
+  m.def("rms_norm_a_grads(Tensor x, Tensor rstd, Tensor w, Tensor g, float s) -> Tensor", &rms_norm_a_grads);
   m.def("swiglu_fwd(Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_fwd);
   m.def("swiglu_bwd(Tensor d_act, Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_bwd);
   m.def("lora_swiglu_fwd(Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, bool want_bf16) -> (Tensor, "

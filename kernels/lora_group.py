@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lorad.kernels.fused import lora_out_grads, widen_lowrank
+from lorad.kernels.fused import lora_out_grads, rms_norm_a_grads, widen_lowrank
 from lorad.kernels.lora import LoRALinear, rows_fp32
 from lorad.kernels.rmsnorm import RMSNorm, rms_apply, rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm, joint_bf16, joint_input_grad_product
@@ -258,20 +258,31 @@ def backward_parts(
     return dx, g, d_b
 
 
-def backward_from_rank_rows(
-    members: Sequence[LoRALinear], x2: Tensor, g_rows: Tensor, dys_bf16: Tensor, *, need_x: bool
-) -> tuple[Tensor | None, list[Tensor]]:
-    """(dX or None, [dA_i]) of stacked members (``stacked``) whose rank-space gradient ``g_rows`` [T, Σr], row t
-    holding every ``dy_i[t]·B_i`` side by side, and dB the caller's own pass already took, with their output gradients
-    side by side in bf16 ``dys_bf16`` [T, Σout] (``fused.lora_swiglu_backward_grads``): ``backward`` without its thin
-    products over the fp32 output gradients."""
+def input_grad_from_rank_rows(members: Sequence[LoRALinear], g_rows: Tensor, dys_bf16: Tensor) -> Tensor:
+    """dX of stacked members (``stacked``) whose rank-space gradient ``g_rows`` [T, Σr], row t holding every
+    ``dy_i[t]·B_i`` side by side, and dB the caller's own pass already took, with their output gradients side by side
+    in bf16 ``dys_bf16`` [T, Σout] (``fused.lora_swiglu_backward_grads``): ``backward``'s dX without its thin products
+    over the fp32 output gradients; ``rows_a_grads`` gives dA."""
     joint = _joint(members)
     assert joint is not None, f"{members[0].frozen.name}: its group is not stacked"
-    dx = None
-    if need_x:
-        prod = joint_input_grad_product(joint, (), packed=dys_bf16)
-        dx = widen_lowrank(prod, g_rows, _stacked_a(members), scaling=members[0].scaling)
-    return dx, a_grads(members, g_rows.t(), x2)
+    prod = joint_input_grad_product(joint, (), packed=dys_bf16)
+    return widen_lowrank(prod, g_rows, _stacked_a(members), scaling=members[0].scaling)
+
+
+def rows_a_grads(
+    members: Sequence[LoRALinear], norm: RMSNorm | None, saved: Sequence[Tensor], g: Tensor
+) -> list[Tensor]:
+    """``a_grads(members, g, recompute_rows(norm, saved, in))``: given the node's norm, the normed rows are recomputed a
+    tile at a time inside the pass that sums dA (``fused.rms_norm_a_grads``) instead of as a [T, in] copy a thin
+    product reads again; the same numbers up to the order of the sums."""
+    features = members[0].in_features
+    if norm is not None:
+        x, rstd = saved
+        x2d, r2d = x.reshape(-1, features), rstd.reshape(-1, 1)
+        d_a_cat = rms_norm_a_grads(x2d, r2d, norm[0], g.t(), scaling=members[0].scaling)
+        if d_a_cat is not None:
+            return [d_a_cat[o : o + m.rank] for m, o in zip(members, _offsets(members), strict=True)]
+    return a_grads(members, g, recompute_rows(norm, saved, features))
 
 
 def a_grads(members: Sequence[LoRALinear], g: Tensor, x2: Tensor) -> list[Tensor]:
@@ -328,9 +339,9 @@ class _SharedInputFn(torch.autograd.Function):
     def backward(ctx: Any, *dys: Tensor) -> tuple[Tensor | None, ...]:
         h, *saved = ctx.saved_tensors
         members, norm = ctx.members, ctx.norm
-        x2 = recompute_rows(norm, saved, members[0].in_features)
         dys2 = [rows_fp32(dy, m.out_features) for m, dy in zip(members, dys, strict=True)]
-        dx, d_a, d_b = backward(members, x2, h, dys2, need_x=ctx.needs_input_grad[2])
+        dx, g, d_b = backward_parts(members, h, dys2, need_x=ctx.needs_input_grad[2])
+        d_a = rows_a_grads(members, norm, saved, g)
         dx_in = None if dx is None else norm_input_grad(norm, saved, dx, ctx.in_shape)
         return None, None, dx_in, *d_a, *d_b
 

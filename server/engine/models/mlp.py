@@ -44,17 +44,18 @@ from lorad.kernels.fused import (
 from lorad.kernels.lora import rows_fp32
 from lorad.kernels.lora_group import (
     a_grads,
-    backward_from_rank_rows,
     backward_parts,
     bf16_products,
     finish_forward,
     forward_keeping_products,
     groupable,
+    input_grad_from_rank_rows,
     lora_rows,
     norm_input_grad,
     normed_rows,
     rebuild,
     recompute_rows,
+    rows_a_grads,
     stacked,
     submit_forward,
     takes_bf16_rows,
@@ -97,7 +98,6 @@ class _LoRASwiGLU(torch.autograd.Function):
         h_gu, h_d, *rest = ctx.saved_tensors
         kept, saved = rest[: ctx.kept], rest[ctx.kept :]  # gate's and up's products (one when stacked); the norm's
         gate_l, up_l, down_l = ctx.layers
-        x2 = recompute_rows(ctx.norm, saved, gate_l.in_features)
         dout2 = rows_fp32(dout, down_l.out_features)
         need_x = ctx.needs_input_grad[2]
         want_b = need_x and stacked((gate_l, up_l))  # the stacked gate/up GEMM takes [d_gate | d_up] in bf16
@@ -114,8 +114,9 @@ class _LoRASwiGLU(torch.autograd.Function):
             if grads is not None:
                 gu_bf16, act, g_rows, d_b_g, d_b_u = grads
                 (d_a_d,) = a_grads((down_l,), g_d, act)
-                dx, (d_a_g, d_a_u) = backward_from_rank_rows((gate_l, up_l), x2, g_rows, gu_bf16, need_x=need_x)
-                dx_in = None if dx is None else norm_input_grad(ctx.norm, saved, dx, ctx.in_shape)
+                d_a_g, d_a_u = rows_a_grads((gate_l, up_l), ctx.norm, saved, g_rows.t())
+                dx_gu = input_grad_from_rank_rows((gate_l, up_l), g_rows, gu_bf16) if need_x else None
+                dx_in = None if dx_gu is None else norm_input_grad(ctx.norm, saved, dx_gu, ctx.in_shape)
                 return None, None, dx_in, d_a_g, d_a_u, d_a_d, d_b_g, d_b_u, d_b_d
             d_gu, d_gu_b, act = lora_swiglu_backward(d_act, kept, h_gu, bs, scaling=gate_l.scaling, want_bf16=want_b)
             (d_a_d,) = a_grads((down_l,), g_d, act)
@@ -127,6 +128,7 @@ class _LoRASwiGLU(torch.autograd.Function):
             # [d_gate | d_up] in one pass, with their bf16 copy when the stacked gate/up GEMM takes it
             d_gu, d_gu_b = swiglu_backward(d_act, gate, up, want_bf16=want_b)
         f = gate_l.out_features
+        x2 = recompute_rows(ctx.norm, saved, gate_l.in_features)
         dx, (d_a_g, d_a_u), (d_b_g, d_b_u) = group_backward(
             (gate_l, up_l), x2, h_gu, [d_gu[:, :f], d_gu[:, f:]], need_x=need_x, dys_bf16=d_gu_b
         )

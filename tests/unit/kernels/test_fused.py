@@ -174,6 +174,27 @@ def test_lora_out_grads_match_the_thin_products_and_the_bf16_copy(ops: object) -
         ops.lora_out_grads(dys, h, bs[:1], 1.0, True)  # type: ignore[attr-defined]
 
 
+def test_rms_norm_a_grads_match_the_thin_product_over_the_recomputed_rows(ops: object) -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(133, 160, generator=g)[:, :96] * 3  # strided rows; two 64-row blocks and a remainder
+    w = torch.randn(96, generator=g)
+    _, _, rstd = fused.rms_norm_forward(x, w, 1e-5)
+    gr = torch.randn(11, 133, generator=g).t()  # [R, k] as a transposed view, an odd rank
+    got = fused.rms_norm_a_grads(x, rstd, w, gr, scaling=0.5)
+    assert got is not None and got.shape == (11, 96)
+    y = fused.rms_norm_apply(x, rstd, w)
+    assert _rel(got, 0.5 * gr.double().t() @ y.double()) < 1e-6
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fused.rms_norm_a_grads(x, rstd, w, gr, scaling=0.5), got)
+    finally:
+        torch.set_num_threads(before)
+    assert fused.rms_norm_a_grads(torch.randn(133, 100), rstd, torch.randn(100), gr, scaling=1.0) is None
+    with pytest.raises(RuntimeError, match=r"g must be a float32 \[133, k\] matrix, got \[132, 11\]"):
+        ops.rms_norm_a_grads(x, rstd, w, gr[:132], 1.0)  # type: ignore[attr-defined]
+
+
 def _lowrank_operands(rows: int = 67, cols: int = 100, k: int = 5, seed: int = 4) -> dict[str, Any]:
     """A bf16 product as a column block of a wider one (rows strided), h and m as transposed views (as the LoRA nodes
     pass ``(A·xᵀ)ᵀ`` and ``Bᵀ``), a bias; an odd row count and a column count that is no whole number of tiles."""
