@@ -20,7 +20,7 @@ SwiGLU took 320 µs, the pass 220; the backward's 510, the pass 350; a SmolLM2 s
 Where gate's and up's weights are stacked, the backward's pass also takes their LoRA gradients
 (``fused.lora_swiglu_backward_grads``): ``g = [d_gate·B_g | d_up·B_u]`` and each ``dB`` while a tile of 8 rows of
 fp32 gradients is in cache, so ``[d_gate | d_up]`` never exists in fp32 (only its bf16 copy, the GEMM's operand) and
-four thin MKL products a layer, each a pass over half of it, are gone (``lora_group.backward_from_rank_rows``). Per
+four thin MKL products a layer, each a pass over half of it, are gone (``lora_group.input_grad_from_rank_rows``). Per
 layer (T = 256, 2 threads, AMX Xeon) the pass and those products took 664 µs, the new pass 522; a SmolLM2 step -12.0,
 -2.7 and -10.4 ms (median of 14 steps, one process per commit, one fixed batch) and -5.4 and -1.5 ms (20 interleaved
 pairs in one process, twice).
