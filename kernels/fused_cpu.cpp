@@ -488,6 +488,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd(const at::Tensor&
 // depend on the thread count.
 constexpr int64_t kGradBlockRows = 64;
 
+// out[e] = s·Σ_b part[b·stride + e] for e < count, the blocks added in order (b = 0, 1, …): the partial sums of
+// kGradBlockRows-row blocks, so the result does not depend on the thread count.
+void add_block_partials(const float* part, int64_t blocks, int64_t stride, int64_t count, double s_d, float* out) {
+  at::parallel_for(0, count, kGrainElements, [&](int64_t begin, int64_t end) {
+    const float s = static_cast<float>(s_d);
+    const float* src = part;
+    for (int64_t e = begin; e < end; ++e) {
+      float v = src[e];
+      for (int64_t b = 1; b < blocks; ++b) v += src[b * stride + e];
+      out[e] = s * v;
+    }
+  });
+}
+
 // acc[k][c] += Σ_i hk[i][k]·d[i][c] for the tile's rows i < nr (hk: kTileRows rows of `rank` floats, d: rows ld
 // floats apart) and columns c < F, a multiple of 16; acc rows are lda floats apart. The rows' 16 columns are loaded
 // once and feed every k.
@@ -604,15 +618,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swig
   });
   at::Tensor dbT = at::empty({rk, F}, h.options());
   float* op = dbT.data_ptr<float>();
-  at::parallel_for(0, rk * F, kGrainElements, [&](int64_t begin, int64_t end) {
-    const float s = static_cast<float>(s_d);
-    const float* part_p = pp;
-    for (int64_t e = begin; e < end; ++e) {
-      float v = part_p[e];
-      for (int64_t b = 1; b < blocks; ++b) v += part_p[b * rk * F + e];
-      op[e] = s * v;
-    }
-  });
+  add_block_partials(pp, blocks, rk * F, rk * F, s_d, op);
   return {dgub, act, g, dbT.narrow(0, 0, rg), dbT.narrow(0, rg, ru)};
 }
 
@@ -689,16 +695,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::T
   for (int64_t i = 0; i < n; ++i) {
     dbT[i] = at::empty({ranks[i], outs[i]}, h.options());
     float* op = dbT[i].data_ptr<float>();
-    const int64_t off = rk0[i] * cols, count = ranks[i] * outs[i];
-    at::parallel_for(0, count, kGrainElements, [&](int64_t begin, int64_t end) {
-      const float s = static_cast<float>(s_d);
-      const float* src = pp + off;
-      for (int64_t e = begin; e < end; ++e) {
-        float v = src[e];
-        for (int64_t b = 1; b < blocks; ++b) v += src[b * rk * cols + e];
-        op[e] = s * v;
-      }
-    });
+    add_block_partials(pp + rk0[i] * cols, blocks, rk * cols, ranks[i] * outs[i], s_d, op);
   }
   return {packed, g, dbT};
 }
@@ -744,15 +741,7 @@ at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const a
   });
   at::Tensor out = at::empty({k, C}, x.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, k * C, kGrainElements, [&](int64_t begin, int64_t end) {
-    const float s = static_cast<float>(s_d);
-    const float* src = pp;
-    for (int64_t e = begin; e < end; ++e) {
-      float v = src[e];
-      for (int64_t b = 1; b < blocks; ++b) v += src[b * k * C + e];
-      op[e] = s * v;
-    }
-  });
+  add_block_partials(pp, blocks, k * C, k * C, s_d, op);
   return out;
 }
 
