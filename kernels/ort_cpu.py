@@ -12,6 +12,12 @@ single numpy buffer held here is the only copy (ORT would otherwise keep a prepa
   ~1.1e-2 per row vs 4.5e-2..1.0e-1 per tensor (equal rows: 1.1e-2 vs 1.3e-2); cost +16-30% on block linears
   (576x576: 0.36 vs 0.31 ms fwd) and none on the 49152x576 lm_head (34.5 vs 35.0 ms); an explicit
   Round/Cast/MatMulInteger graph was slower (0.79 vs 0.61 ms at 1536x576, 43 vs 35 ms on the lm_head).
+- On x86 CPUs without int8 dot-product instructions (no VNNI: AVX2 and plain AVX-512 parts, such as a Zen 2 EPYC),
+  ONNX Runtime's uint8 x int8 kernel multiplies with VPMADDUBSW, which adds each pair of u8·s8 products into a
+  saturating int16: sums past 32767 are clipped, silently. Measured on such a host (T=256, SmolLM2 shapes): 1.6-2.2e-2
+  relative error at 576x576..1536x576 and 5.6e-2 on a 48x80 layer, against 1.1e-2 from 8-bit rounding alone. There the
+  one weight copy is stored as uint8 with zero point 128 (``int8_weight_format``), which runs ORT's uint8 x uint8
+  kernel (16-bit products widened before they are added: no saturation) at the same speed and the same bytes.
 Shapes are dynamic (symbolic T), so no padding is needed on the CPU.
 Measured (2-core EPYC, T=256): a prepacked int8 initializer is ~2x faster than a graph input only for the 28 MB
 lm_head (25 vs 52 ms fwd) and 10-20% for block linears, at the cost of a second packed copy per direction, so one
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import threading
 import weakref
 from typing import Any
@@ -35,7 +42,7 @@ from torch import Tensor
 
 from lorad.kernels._onnx import MS_DOMAIN, init, model_bytes, value
 from lorad.kernels._quant import check_precision, quantize_weight
-from lorad.kernels.capabilities import CAPABILITIES
+from lorad.kernels.capabilities import CAPABILITIES, cpu_int8
 
 SUPPORTED = CAPABILITIES["ort-cpu"].precisions
 
@@ -97,6 +104,22 @@ def fp32_graphs(out_f: int, in_f: int, bias: np.ndarray | None) -> tuple[bytes, 
 
 
 ACT_QUANT = ("row", "tensor")
+WEIGHT_FORMATS: dict[str, tuple[type, int]] = {"s8": (np.int8, 0), "u8": (np.uint8, 128)}
+"""Stored forms of the w8a8 weight grid (values in [-127, 127]): numpy dtype and zero point."""
+
+
+def int8_weight_format() -> str:
+    """How this machine stores the w8a8 weight for ONNX Runtime: ``"s8"`` (int8, zero point 0) where its u8·s8 kernel
+    is exact (int8 dot products on x86, any ARM core), ``"u8"`` (uint8, zero point 128: the same grid shifted) on x86
+    without them, where that kernel saturates int16 pair sums (module docstring)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return "u8" if x86 and not cpu_int8().native else "s8"
+
+
+def _stored_weight(q: np.ndarray, fmt: str) -> np.ndarray:
+    """Weight grid ``q`` (int8) in the stored form ``fmt`` (``WEIGHT_FORMATS``)."""
+    dtype, zp = WEIGHT_FORMATS[fmt]
+    return q if zp == 0 else (q.astype(np.int16) + zp).astype(dtype)
 
 
 def _row_quant_matmul(a: str, w: str, w_scale: str, w_zp: str, out: str) -> list[Any]:
@@ -124,16 +147,26 @@ def _row_consts() -> list[Any]:
 
 
 def int8_graphs(
-    out_f: int, in_f: int, scale: np.ndarray, bias: np.ndarray | None, act_quant: str = "row"
+    out_f: int,
+    in_f: int,
+    scale: np.ndarray,
+    bias: np.ndarray | None,
+    *,
+    act_quant: str = "row",
+    weight_format: str = "s8",
 ) -> tuple[bytes, bytes]:
-    """(forward, input-grad) models with the int8 weight Wq [out, in] as graph input ``W`` (same for both).
+    """(forward, input-grad) models with the quantized weight Wq [out, in] as graph input ``W`` (same for both).
 
     ``act_quant="row"``: one activation scale per row (token), see ``_row_quant_matmul``; ``"tensor"``: one scale
     per call (DynamicQuantizeLinear inside DynamicQuantizeMatMul), where one outlier token coarsens every row.
+    ``weight_format``: ``"s8"`` (int8, zero point 0) or ``"u8"`` (uint8, zero point 128), see ``int8_weight_format``.
     """
     if act_quant not in ACT_QUANT:
         raise ValueError(f"act_quant must be one of {ACT_QUANT}, got {act_quant!r}")
-    w_in = value("W", np.int8, [out_f, in_f])
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {tuple(WEIGHT_FORMATS)}, got {weight_format!r}")
+    wdt, zp = WEIGHT_FORMATS[weight_format]
+    w_in = value("W", wdt, [out_f, in_f])
     b_init = [init("b", bias)] if bias is not None else []
     if act_quant == "tensor":
         fwd_inputs = ["x", "Wt", "s", "zo", *(["b"] if bias is not None else [])]
@@ -141,13 +174,13 @@ def int8_graphs(
             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
             helper.make_node("DynamicQuantizeMatMul", fwd_inputs, ["y"], domain=MS_DOMAIN),
         ]
-        fwd_inits = [init("s", scale), init("zo", np.zeros(out_f, np.int8)), *b_init]
+        fwd_inits = [init("s", scale), init("zo", np.full(out_f, zp, wdt)), *b_init]
         bwd_nodes = [
             # dy·diag(s)·Wq: the per-output-channel scale is folded into dy so Wq serves as B unchanged.
             helper.make_node("Mul", ["dy", "s"], ["dys"]),
             helper.make_node("DynamicQuantizeMatMul", ["dys", "W", "one", "z0"], ["dx"], domain=MS_DOMAIN),
         ]
-        bwd_inits = [init("s", scale), init("one", np.array(1.0, np.float32)), init("z0", np.array(0, np.int8))]
+        bwd_inits = [init("s", scale), init("one", np.array(1.0, np.float32)), init("z0", np.array(zp, wdt))]
     else:
         y_out = "yb" if bias is not None else "y"
         fwd_nodes = [
@@ -155,13 +188,13 @@ def int8_graphs(
             *_row_quant_matmul("x", "Wt", "s", "zo", y_out),
             *([helper.make_node("Add", ["yb", "b"], ["y"])] if bias is not None else []),
         ]
-        fwd_inits = [init("s", scale), init("zo", np.zeros(out_f, np.int8)), *_row_consts(), *b_init]
+        fwd_inits = [init("s", scale), init("zo", np.full(out_f, zp, wdt)), *_row_consts(), *b_init]
         # Fold the per-channel weight scale into dy first, so each row's scale covers what multiplies Wq.
         bwd_nodes = [helper.make_node("Mul", ["dy", "s"], ["dys"]), *_row_quant_matmul("dys", "W", "one", "z0", "dx")]
         bwd_inits = [
             init("s", scale),
             init("one", np.array(1.0, np.float32)),
-            init("z0", np.array(0, np.int8)),
+            init("z0", np.array(zp, wdt)),
             *_row_consts(),
         ]
     fwd = model_bytes(
@@ -203,6 +236,7 @@ class OrtCpuFrozenLinear:
         precision_bwd: str,
         name: str,
         act_quant: str = "row",
+        weight_format: str | None = None,
     ) -> None:
         check_precision("ort-cpu", precision)
         check_precision("ort-cpu", precision_bwd)
@@ -210,6 +244,7 @@ class OrtCpuFrozenLinear:
         self.name = name
         self.precision_fwd, self.precision_bwd = precision, precision_bwd
         self.act_quant = act_quant
+        self.weight_format = weight_format or int8_weight_format()
         b = None if bias is None else bias.detach().float().contiguous().numpy().copy()
         self._arrays: dict[str, np.ndarray] = {}
         graphs: dict[str, tuple[bytes, bytes]] = {}
@@ -220,9 +255,9 @@ class OrtCpuFrozenLinear:
                 graphs[p] = fp32_graphs(o, i, b)
             else:
                 q, s = quantize_weight(weight, 8)
-                self._arrays["w8"] = q.numpy()
+                self._arrays["w8"] = _stored_weight(q.numpy(), self.weight_format)
                 self._arrays["w8_scale"] = s.numpy()
-                graphs[p] = int8_graphs(o, i, s.numpy(), b, act_quant)
+                graphs[p] = int8_graphs(o, i, s.numpy(), b, act_quant=act_quant, weight_format=self.weight_format)
         key = {"fp32": "fp32", "w8a8": "w8"}
         self._fwd = _Direction(graphs[precision][0], "x", self._arrays[key[precision]])
         self._bwd = _Direction(graphs[precision_bwd][1], "dy", self._arrays[key[precision_bwd]])

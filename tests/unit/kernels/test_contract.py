@@ -117,6 +117,37 @@ def test_ort_cpu_w8a8_scales_activations_per_row() -> None:
     assert min(errs["tensor"]) > 10 * max(errs["row"])
 
 
+def test_ort_cpu_w8a8_stays_at_8_bit_rounding_error_on_this_cpu() -> None:
+    """Without VNNI, ORT's u8·s8 kernel adds product pairs into a saturating int16 (2.1e-2 here instead of 1.1e-2 at
+    576x576 on a Zen 2 EPYC): the weight format this machine gets, and uint8 on any machine, must not saturate."""
+    from lorad.kernels.ort_cpu import OrtCpuFrozenLinear, int8_weight_format
+
+    w, b, x, dy = _data(out_f=576, in_f=576, t=256, seed=3)
+    x = x * 4.0  # activations that fill the uint8 grid's rows as real ones do
+    got = {}
+    for fmt in sorted({int8_weight_format(), "u8"}):
+        fl = OrtCpuFrozenLinear(w, b, precision="w8a8", precision_bwd="w8a8", name="p", weight_format=fmt)
+        assert fl.nbytes == w.numel() + 576 * 4 + b.numel() * 4  # one byte a weight either way
+        got[fmt] = (fl.forward(x) - b, fl.input_grad(dy))
+        errs = (_err(got[fmt][0], x @ w.t())[1], _err(got[fmt][1], dy @ w)[1])
+        print(fmt, errs)
+        assert max(errs) <= 1.5e-2, (fmt, errs)
+    if len(got) == 2:  # s8 where it is exact: the same grid, so the same products up to fp32 rounding
+        assert _err(got["s8"][0], got["u8"][0])[1] < 1e-5 and _err(got["s8"][1], got["u8"][1])[1] < 1e-5
+
+
+def test_ort_cpu_int8_weight_format_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lorad.kernels.ort_cpu as oc
+    from lorad.kernels.capabilities import CpuFeature
+
+    for machine, vnni, want in [("x86_64", False, "u8"), ("x86_64", True, "s8"), ("aarch64", False, "s8")]:
+        monkeypatch.setattr(oc.platform, "machine", lambda m=machine: m)
+        monkeypatch.setattr(oc, "cpu_int8", lambda v=vnni: CpuFeature(v, "test"))
+        assert oc.int8_weight_format() == want, (machine, vnni)
+    with pytest.raises(ValueError, match=r"weight_format must be one of .*'q8'"):
+        oc.int8_graphs(4, 4, torch.ones(4).numpy(), None, weight_format="q8")
+
+
 def test_torch_bf16_keeps_one_bf16_copy_for_both_directions() -> None:
     w, b, _, _ = _data()
     fl = make_frozen_linear(w, b, backend="torch", precision="bf16", name="probe")
