@@ -19,6 +19,7 @@ from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import DataReport, Sample, prepare
 from lorad.server.engine.training.heartbeat import Heartbeat
 from lorad.server.engine.training.precision import (
+    PLAN_FILE,
     UNPLANNED_FILE,
     JobPlan,
     cached_plan,
@@ -166,11 +167,14 @@ def run_recipe(
     planning = plans_here(info.name, cfg.precision)
     plan_args: dict[str, Any] = {"backend": info.name, "work_dir": work_dir, "cache_root": cache_root}
     job_plan: JobPlan | None = None
-    # The uniform precision of an "auto" job that started before its model had a plan (kept on resume: exact).
-    unplanned = unplanned_precision(work_dir, info.name) if planning and last is not None else None
+    # An "auto" job resumes as it started wherever it resumes, even where "auto" would not plan (a home directory
+    # moved to a CPU without bf16, another backend): its plan, or the uniform precision it started at before its model
+    # had one, binds the resume (exact), and a record made on another backend is a clear error.
+    resuming_auto = cfg.precision == "auto" and last is not None
+    unplanned = unplanned_precision(work_dir, info.name) if resuming_auto else None
     if planning and last is None:
         (work_dir / UNPLANNED_FILE).unlink(missing_ok=True)  # a previous start's, without a checkpoint
-    look_up = planning and unplanned is None
+    look_up = unplanned is None and (planning or (resuming_auto and (work_dir / PLAN_FILE).is_file()))
     with Heartbeat(lambda f: phase("loading", f)):  # a model load takes seconds: heard every ~1 s meanwhile
         if load is None:
             from lorad.server.engine.models.loader import load_model, resolve
@@ -203,7 +207,7 @@ def run_recipe(
         else:
             told = f"this job resumes at {unplanned} everywhere, as it started (before its model had a precision plan)"
         notice(told)
-    elif planning:
+    elif planning or job_plan is not None:
         if job_plan is None:
             # Before the Trainer: its optimizer and hooks must see the re-lowered model.
             with Heartbeat(lambda f: phase("planning", f)) as beat:
@@ -269,7 +273,7 @@ def run_recipe(
         extra["unplanned"] = unplanned
     # A job that trained unplanned, or on a plan priced on a busy host, measures the plan for the jobs after it.
     stale = job_plan is not None and provisional(job_plan.plan)
-    if defer_planning and res.status == "completed" and (unplanned is not None or stale):
+    if planning and defer_planning and res.status == "completed" and (unplanned is not None or stale):
         # -- plan for the next jobs (the adapter is saved) ------------------------------------------------------
         model_hash = loaded.model_hash
         del trainer, loaded  # the training copy goes before the reference copy is loaded

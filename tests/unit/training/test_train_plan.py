@@ -352,3 +352,20 @@ def test_a_deferred_job_resumed_on_another_backend_or_with_a_torn_record_fails_c
     assert plan_calls == [] and (tmp_path / "job" / "checkpoints").is_dir()  # nothing planned, the checkpoint kept
     record.write_bytes(kept)
     assert _run(tmp_path / "job", tmp_path / "cache", defer_planning=True).resumed_from == 1
+
+
+def test_an_auto_job_resumes_on_its_plan_where_auto_would_not_plan_and_not_on_another_backend(
+    tmp_path: Path, plan_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = _run(tmp_path / "straight", tmp_path / "cache")
+    n: list[int] = []
+    p = _run(tmp_path / "job", tmp_path / "cache", on_progress=lambda pr: n.append(pr.step),
+             should_pause=lambda: len(n) >= 2)  # fmt: skip
+    assert p.status == "paused" and plan_calls == [1] and any(f == "w8a8" for _, f, _ in ref.precision_plan)
+    # The same job directory where "auto" plans nothing (a CPU whose every reduced precision is emulated).
+    monkeypatch.setattr(recipe, "plans_here", lambda *_a: False)
+    with pytest.raises(CheckpointError, match=r"plan was made for backend 'ort-cpu', this run uses 'torch'"):
+        _run(tmp_path / "job", tmp_path / "cache", replace(AUTO, backend="torch"))
+    r = _run(tmp_path / "job", tmp_path / "cache")
+    assert r.status == "completed" and r.resumed_from == 2 and plan_calls == [1]
+    assert r.precision_plan == ref.precision_plan and r.losses == ref.losses  # exact: the plan it started on
