@@ -380,7 +380,7 @@ def device_status(m: device_pb2.GetDeviceStatusResponse) -> t.DeviceStatus:
         blocked_detail=m.blocked_detail,
         current_job_id=m.current_job_id,
         current_job_state=JOB_STATE.py(m.current_job_state),
-        models=tuple(t.ModelInfo(x.name, x.family, x.parameters, x.sha256, x.is_default) for x in m.models),
+        models=tuple(t.ModelInfo(x.name, x.family, x.parameters, x.sha256, x.is_default, x.detail) for x in m.models),
         version=m.version,
         profile=PROFILE.py(m.profile),
         profile_reason=m.profile_reason,

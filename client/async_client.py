@@ -22,6 +22,7 @@ from lorad.client import types as t
 from lorad.client._download import DownloadLock, PartFile, ProgressCallback, resumable_download, safe_filename
 from lorad.client.errors import (
     AlreadyExists,
+    DeadlineExceeded,
     FailedPrecondition,
     IntegrityError,
     LoradError,
@@ -152,10 +153,13 @@ class AsyncClient:
                 return items
 
     async def wait_ready(self, timeout: float = 10.0) -> t.DeviceStatus:
-        """Waits until the daemon answers GetDeviceStatus, polling with backoff.
+        """Waits until the daemon answers GetDeviceStatus, polling with backoff. A daemon that is not listening yet
+        (Unavailable) or too busy starting up to answer one attempt in time (DeadlineExceeded) is asked again until
+        `timeout` has passed.
 
         Raises:
             Unavailable: It did not answer within `timeout` seconds.
+            DeadlineExceeded: Its last attempt, at the end of `timeout`, timed out.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -169,7 +173,7 @@ class AsyncClient:
                 )
             except grpc.RpcError as exc:
                 err = self._error(exc)
-                if not isinstance(err, Unavailable) or loop.time() >= deadline:
+                if not isinstance(err, Unavailable | DeadlineExceeded) or loop.time() >= deadline:
                     raise err from None
             await asyncio.sleep(min(self.retry.delay(attempt), max(0.0, deadline - loop.time())))
             attempt += 1

@@ -533,6 +533,8 @@ class ModelInfo:
     parameters: int
     sha256: str
     is_default: bool
+    detail: str = ""
+    """Why family/parameters/sha256 are empty: still being read for the first time, or unreadable (the error)."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ class ModelFacts:
     sha256: str
 
 
+READING = "reading the model for the first time (a GGUF is converted into the cache once)"
+UNREADABLE = "not readable: "
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """A model name and where it loads from (None = the bundled SmolLM2 GGUF)."""
@@ -79,7 +83,8 @@ class ModelHost:
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
         self._loaded: dict[str, LoadedModel] = {}
-        self._facts: dict[str, ModelFacts] = {}
+        self._facts: dict[str, ModelFacts | str] = {}  # facts, or why there are none yet (reading / the error)
+        self._facts_lock = threading.Lock()
         self._lock = threading.Lock()  # one load at a time; generation itself is serialised by the caller
 
     def entry(self, name: str, field: str = "config.base_model") -> ModelEntry:
@@ -99,24 +104,36 @@ class ModelHost:
         """The loaded base for ``name`` if it is already in memory (for status), else None."""
         return self._loaded.get(self.entry(name).name)
 
-    def facts(self, name: str) -> ModelFacts | None:
-        """Family, parameter count and sha256 of a model without loading it; None when it cannot be read.
+    def facts(self, name: str) -> ModelFacts | str:
+        """Family, parameter count and sha256 of a model without loading it, or why they are not known (yet).
 
-        The first call per model may take seconds (a GGUF is converted into the cache, an HF folder hashed once);
-        later calls are a dict lookup.
+        Never waits: the first call per model starts reading it on a background thread (a GGUF is converted into the
+        cache once, which took 15-30 s on a 2-core Zen 2 before torch was even imported, past the status deadline of
+        a client waiting for the daemon) and says so until it is done; later calls are a dict lookup. A model that
+        cannot be read gets the error, and the next call tries again.
         """
         e = self.entry(name)
-        if e.name not in self._facts:
+        with self._facts_lock:
+            known = self._facts.get(e.name)
+            if known is None or (isinstance(known, str) and known.startswith(UNREADABLE)):
+                self._facts[e.name] = READING
+                threading.Thread(target=self._read_facts, args=(e,), name=f"model-facts-{e.name}", daemon=True).start()
+                return known or READING
+            return known
+
+    def _read_facts(self, e: ModelEntry) -> None:
+        with ENGINE_IMPORTS:
             from lorad.server.engine.api import read_config, read_weights, resolve
 
-            try:
-                ck = resolve(e.source, self.cache_root)
-                cfg = read_config(ck.path)
-                self._facts[e.name] = ModelFacts(cfg.arch, read_weights(ck.path).parameter_count(), ck.model_hash)
-            except (OSError, ValueError) as exc:  # a missing or broken model must not break status
-                log.warning("model_facts_unavailable", model=e.name, error=type(exc).__name__)
-                return None
-        return self._facts[e.name]
+        got: ModelFacts | str
+        try:
+            ck = resolve(e.source, self.cache_root)
+            got = ModelFacts(read_config(ck.path).arch, read_weights(ck.path).parameter_count(), ck.model_hash)
+        except (OSError, ValueError) as exc:  # a missing or broken model must not break status
+            log.warning("model_facts_unavailable", model=e.name, error=type(exc).__name__)
+            got = f"{UNREADABLE}{type(exc).__name__}: {str(exc)[:200]}"
+        with self._facts_lock:
+            self._facts[e.name] = got
 
     def base(self, name: str) -> LoadedModel:
         """The base model for inference (a ``LoadedModel`` without LoRA), loading it on first use."""

@@ -282,7 +282,7 @@ def print_status(s: DeviceStatus, job: Job | None = None) -> None:
     elif s.current_job_id:
         print(f"job       {s.current_job_id} is {s.current_job_state.value}")
     for m in s.models:
-        about = f"{m.family}, {_count(m.parameters)} params" if m.parameters else "not readable"
+        about = f"{m.family}, {_count(m.parameters)} params" if m.parameters else (m.detail or "not readable")
         print(f"model     {m.name} ({about}){' default' if m.is_default else ''}")
 
 

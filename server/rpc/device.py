@@ -73,7 +73,9 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         for e in self.s.models.entries.values():
             m = device_pb2.ModelInfo(name=e.name, is_default=e.is_default)
             facts = self.s.models.facts(e.name)
-            if facts is not None:
+            if isinstance(facts, str):
+                m.detail = facts
+            else:
                 m.family, m.parameters, m.sha256 = facts.family, facts.parameters, facts.sha256
             out.models.append(m)
         return out

@@ -26,7 +26,7 @@ from lorad.v1 import common_pb2 as lorad_dot_v1_dot_common__pb2
 from lorad.v1 import jobs_pb2 as lorad_dot_v1_dot_jobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lorad/v1/device.proto\x12\x08lorad.v1\x1a\x15lorad/v1/common.proto\x1a\x13lorad/v1/jobs.proto\"\xc5\x01\n\rBackendStatus\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x11.lorad.v1.Backend\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tsoc_model\x18\x03 \x01(\t\x12\x10\n\x08htp_arch\x18\x04 \x01(\t\x12\x30\n\tavailable\x18\x05 \x03(\x0b\x32\x1d.lorad.v1.BackendAvailability\x12)\n\x0b\x63pu_kernels\x18\x06 \x01(\x0b\x32\x14.lorad.v1.CpuKernels\",\n\nCpuKernels\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"Y\n\x13\x42\x61\x63kendAvailability\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x11.lorad.v1.Backend\x12\x0e\n\x06usable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xe0\x01\n\x0e\x44\x65viceReadings\x12\x1c\n\x0f\x62\x61ttery_percent\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08\x63harging\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12 \n\x13temperature_celsius\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04idle\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x12\n\nread_at_ms\x18\x06 \x01(\x03\x42\x12\n\x10_battery_percentB\x0b\n\t_chargingB\x16\n\x14_temperature_celsiusB\x07\n\x05_idle\"a\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nis_default\x18\x05 \x01(\x08\"y\n\x0c\x41ppDiskUsage\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x12\n\ndata_bytes\x18\x02 \x01(\x04\x12\x18\n\x10\x63heckpoint_bytes\x18\x03 \x01(\x04\x12\x15\n\radapter_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x65xport_bytes\x18\x05 \x01(\x04\"\x15\n\x13GetDiskUsageRequest\"\x8b\x01\n\x14GetDiskUsageResponse\x12$\n\x04\x61pps\x18\x01 \x03(\x0b\x32\x16.lorad.v1.AppDiskUsage\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x64\x61tabase_bytes\x18\x03 \x01(\x04\x12 \n\x18\x65xport_cache_limit_bytes\x18\x04 \x01(\x04\"\x17\n\x15\x43ollectGarbageRequest\"`\n\x16\x43ollectGarbageResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x04\x12\x15\n\rremoved_files\x18\x02 \x01(\r\x12\x1a\n\x12\x63\x61\x63hes_kept_reason\x18\x03 \x01(\t\"\x18\n\x16GetDeviceStatusRequest\"\xa1\x03\n\x17GetDeviceStatusResponse\x12(\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x17.lorad.v1.BackendStatus\x12*\n\x08readings\x18\x02 \x01(\x0b\x32\x18.lorad.v1.DeviceReadings\x12\x11\n\tcan_train\x18\x03 \x01(\x08\x12\x30\n\x0f\x62locked_reasons\x18\x04 \x03(\x0e\x32\x17.lorad.v1.BlockedReason\x12\x16\n\x0e\x62locked_detail\x18\x05 \x01(\t\x12\x16\n\x0e\x63urrent_job_id\x18\x06 \x01(\t\x12-\n\x11\x63urrent_job_state\x18\x07 \x01(\x0e\x32\x12.lorad.v1.JobState\x12#\n\x06models\x18\x08 \x03(\x0b\x32\x13.lorad.v1.ModelInfo\x12\x0f\n\x07version\x18\t \x01(\t\x12(\n\x07profile\x18\n \x01(\x0e\x32\x17.lorad.v1.DeviceProfile\x12\x16\n\x0eprofile_reason\x18\x0b \x01(\t\x12\x14\n\x0cunblock_hint\x18\x0c \x01(\t*\x7f\n\rDeviceProfile\x12\x1e\n\x1a\x44\x45VICE_PROFILE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45VICE_PROFILE_PHONE\x10\x01\x12\x19\n\x15\x44\x45VICE_PROFILE_LAPTOP\x10\x02\x12\x19\n\x15\x44\x45VICE_PROFILE_SERVER\x10\x03\x32\x8b\x02\n\rDeviceService\x12V\n\x0fGetDeviceStatus\x12 .lorad.v1.GetDeviceStatusRequest\x1a!.lorad.v1.GetDeviceStatusResponse\x12M\n\x0cGetDiskUsage\x12\x1d.lorad.v1.GetDiskUsageRequest\x1a\x1e.lorad.v1.GetDiskUsageResponse\x12S\n\x0e\x43ollectGarbage\x12\x1f.lorad.v1.CollectGarbageRequest\x1a .lorad.v1.CollectGarbageResponseB7\n\x0c\x64\x65v.lorad.v1P\x01Z%lorad.dev/api/gen/go/lorad/v1;loradv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lorad/v1/device.proto\x12\x08lorad.v1\x1a\x15lorad/v1/common.proto\x1a\x13lorad/v1/jobs.proto\"\xc5\x01\n\rBackendStatus\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x11.lorad.v1.Backend\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tsoc_model\x18\x03 \x01(\t\x12\x10\n\x08htp_arch\x18\x04 \x01(\t\x12\x30\n\tavailable\x18\x05 \x03(\x0b\x32\x1d.lorad.v1.BackendAvailability\x12)\n\x0b\x63pu_kernels\x18\x06 \x01(\x0b\x32\x14.lorad.v1.CpuKernels\",\n\nCpuKernels\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"Y\n\x13\x42\x61\x63kendAvailability\x12\"\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x11.lorad.v1.Backend\x12\x0e\n\x06usable\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xe0\x01\n\x0e\x44\x65viceReadings\x12\x1c\n\x0f\x62\x61ttery_percent\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08\x63harging\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12 \n\x13temperature_celsius\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04idle\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x12\n\nread_at_ms\x18\x06 \x01(\x03\x42\x12\n\x10_battery_percentB\x0b\n\t_chargingB\x16\n\x14_temperature_celsiusB\x07\n\x05_idle\"q\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nis_default\x18\x05 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"y\n\x0c\x41ppDiskUsage\x12\x0e\n\x06\x61pp_id\x18\x01 \x01(\t\x12\x12\n\ndata_bytes\x18\x02 \x01(\x04\x12\x18\n\x10\x63heckpoint_bytes\x18\x03 \x01(\x04\x12\x15\n\radapter_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x65xport_bytes\x18\x05 \x01(\x04\"\x15\n\x13GetDiskUsageRequest\"\x8b\x01\n\x14GetDiskUsageResponse\x12$\n\x04\x61pps\x18\x01 \x03(\x0b\x32\x16.lorad.v1.AppDiskUsage\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x64\x61tabase_bytes\x18\x03 \x01(\x04\x12 \n\x18\x65xport_cache_limit_bytes\x18\x04 \x01(\x04\"\x17\n\x15\x43ollectGarbageRequest\"`\n\x16\x43ollectGarbageResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x04\x12\x15\n\rremoved_files\x18\x02 \x01(\r\x12\x1a\n\x12\x63\x61\x63hes_kept_reason\x18\x03 \x01(\t\"\x18\n\x16GetDeviceStatusRequest\"\xa1\x03\n\x17GetDeviceStatusResponse\x12(\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0b\x32\x17.lorad.v1.BackendStatus\x12*\n\x08readings\x18\x02 \x01(\x0b\x32\x18.lorad.v1.DeviceReadings\x12\x11\n\tcan_train\x18\x03 \x01(\x08\x12\x30\n\x0f\x62locked_reasons\x18\x04 \x03(\x0e\x32\x17.lorad.v1.BlockedReason\x12\x16\n\x0e\x62locked_detail\x18\x05 \x01(\t\x12\x16\n\x0e\x63urrent_job_id\x18\x06 \x01(\t\x12-\n\x11\x63urrent_job_state\x18\x07 \x01(\x0e\x32\x12.lorad.v1.JobState\x12#\n\x06models\x18\x08 \x03(\x0b\x32\x13.lorad.v1.ModelInfo\x12\x0f\n\x07version\x18\t \x01(\t\x12(\n\x07profile\x18\n \x01(\x0e\x32\x17.lorad.v1.DeviceProfile\x12\x16\n\x0eprofile_reason\x18\x0b \x01(\t\x12\x14\n\x0cunblock_hint\x18\x0c \x01(\t*\x7f\n\rDeviceProfile\x12\x1e\n\x1a\x44\x45VICE_PROFILE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45VICE_PROFILE_PHONE\x10\x01\x12\x19\n\x15\x44\x45VICE_PROFILE_LAPTOP\x10\x02\x12\x19\n\x15\x44\x45VICE_PROFILE_SERVER\x10\x03\x32\x8b\x02\n\rDeviceService\x12V\n\x0fGetDeviceStatus\x12 .lorad.v1.GetDeviceStatusRequest\x1a!.lorad.v1.GetDeviceStatusResponse\x12M\n\x0cGetDiskUsage\x12\x1d.lorad.v1.GetDiskUsageRequest\x1a\x1e.lorad.v1.GetDiskUsageResponse\x12S\n\x0e\x43ollectGarbage\x12\x1f.lorad.v1.CollectGarbageRequest\x1a .lorad.v1.CollectGarbageResponseB7\n\x0c\x64\x65v.lorad.v1P\x01Z%lorad.dev/api/gen/go/lorad/v1;loradv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorad.v1.device_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014dev.lorad.v1P\001Z%lorad.dev/api/gen/go/lorad/v1;loradv1'
-  _globals['_DEVICEPROFILE']._serialized_start=1599
-  _globals['_DEVICEPROFILE']._serialized_end=1726
+  _globals['_DEVICEPROFILE']._serialized_start=1615
+  _globals['_DEVICEPROFILE']._serialized_end=1742
   _globals['_BACKENDSTATUS']._serialized_start=80
   _globals['_BACKENDSTATUS']._serialized_end=277
   _globals['_CPUKERNELS']._serialized_start=279
@@ -45,21 +45,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEVICEREADINGS']._serialized_start=417
   _globals['_DEVICEREADINGS']._serialized_end=641
   _globals['_MODELINFO']._serialized_start=643
-  _globals['_MODELINFO']._serialized_end=740
-  _globals['_APPDISKUSAGE']._serialized_start=742
-  _globals['_APPDISKUSAGE']._serialized_end=863
-  _globals['_GETDISKUSAGEREQUEST']._serialized_start=865
-  _globals['_GETDISKUSAGEREQUEST']._serialized_end=886
-  _globals['_GETDISKUSAGERESPONSE']._serialized_start=889
-  _globals['_GETDISKUSAGERESPONSE']._serialized_end=1028
-  _globals['_COLLECTGARBAGEREQUEST']._serialized_start=1030
-  _globals['_COLLECTGARBAGEREQUEST']._serialized_end=1053
-  _globals['_COLLECTGARBAGERESPONSE']._serialized_start=1055
-  _globals['_COLLECTGARBAGERESPONSE']._serialized_end=1151
-  _globals['_GETDEVICESTATUSREQUEST']._serialized_start=1153
-  _globals['_GETDEVICESTATUSREQUEST']._serialized_end=1177
-  _globals['_GETDEVICESTATUSRESPONSE']._serialized_start=1180
-  _globals['_GETDEVICESTATUSRESPONSE']._serialized_end=1597
-  _globals['_DEVICESERVICE']._serialized_start=1729
-  _globals['_DEVICESERVICE']._serialized_end=1996
+  _globals['_MODELINFO']._serialized_end=756
+  _globals['_APPDISKUSAGE']._serialized_start=758
+  _globals['_APPDISKUSAGE']._serialized_end=879
+  _globals['_GETDISKUSAGEREQUEST']._serialized_start=881
+  _globals['_GETDISKUSAGEREQUEST']._serialized_end=902
+  _globals['_GETDISKUSAGERESPONSE']._serialized_start=905
+  _globals['_GETDISKUSAGERESPONSE']._serialized_end=1044
+  _globals['_COLLECTGARBAGEREQUEST']._serialized_start=1046
+  _globals['_COLLECTGARBAGEREQUEST']._serialized_end=1069
+  _globals['_COLLECTGARBAGERESPONSE']._serialized_start=1071
+  _globals['_COLLECTGARBAGERESPONSE']._serialized_end=1167
+  _globals['_GETDEVICESTATUSREQUEST']._serialized_start=1169
+  _globals['_GETDEVICESTATUSREQUEST']._serialized_end=1193
+  _globals['_GETDEVICESTATUSRESPONSE']._serialized_start=1196
+  _globals['_GETDEVICESTATUSRESPONSE']._serialized_end=1613
+  _globals['_DEVICESERVICE']._serialized_start=1745
+  _globals['_DEVICESERVICE']._serialized_end=2012
 # @@protoc_insertion_point(module_scope)

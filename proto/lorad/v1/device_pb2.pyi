@@ -222,6 +222,7 @@ class ModelInfo(_message.Message):
     PARAMETERS_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     IS_DEFAULT_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name to use in TrainingConfig.base_model."""
     family: _builtins.str
@@ -232,6 +233,10 @@ class ModelInfo(_message.Message):
     """SHA-256 of the weights (hex)."""
     is_default: _builtins.bool
     """Whether this is the default model."""
+    detail: _builtins.str
+    """Why family, parameters and sha256 are empty: the daemon is reading the model for the first time (a GGUF is
+    converted into its cache once; status never waits for that), or the model cannot be read (the error).
+    """
     def __init__(
         self,
         *,
@@ -240,10 +245,11 @@ class ModelInfo(_message.Message):
         parameters: _builtins.int = ...,
         sha256: _builtins.str = ...,
         is_default: _builtins.bool = ...,
+        detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["family", b"family", "is_default", b"is_default", "name", b"name", "parameters", b"parameters", "sha256", b"sha256"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "family", b"family", "is_default", b"is_default", "name", b"name", "parameters", b"parameters", "sha256", b"sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -200,3 +200,13 @@ def test_sync_watch_abandoned_early_does_not_hang(fake: FakeDaemon) -> None:
             assert u.event.state is lc.JobState.QUEUED
             break
         assert c.get_job(job).state is lc.JobState.QUEUED  # the client still works after the abandoned stream
+
+
+def test_wait_ready_asks_again_when_a_starting_daemon_answers_too_late(fake: FakeDaemon) -> None:
+    fake.state.status_delays_s = [1.5]  # the first answer comes after that attempt's deadline (timeout / 4)
+    with app_client(fake) as c:
+        assert c.wait_ready(timeout=2.0).version == "fake"
+    assert fake.state.calls["GetDeviceStatus"] >= 2
+    fake.state.status_delays_s = [1.0] * 10  # every attempt too late: the last one's error, at the deadline
+    with app_client(fake) as c, pytest.raises(lc.DeadlineExceeded):
+        c.wait_ready(timeout=1.0)

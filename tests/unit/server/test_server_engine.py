@@ -208,3 +208,41 @@ def test_exported_peft_config_names_a_portable_base_and_metadata_keeps_the_conte
     (saved_from_hub / "config.json").write_text(json.dumps({"_name_or_path": "/home/u/models/x"}))
     assert portable_base_name(saved_from_hub) == "my-copy"
     assert portable_base_name(Path("/data/models/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_model_facts_never_wait_for_the_first_read_and_name_an_unreadable_model(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GetDeviceStatus reads these: a first read (a GGUF converted into the cache) must not hold the RPC past a
+    client's deadline, as it did on a slow host."""
+    import threading
+    import time
+
+    import lorad.server.engine.api as api
+    from lorad.server.modelhost import READING, UNREADABLE, ModelFacts
+
+    gate, real = threading.Event(), api.resolve
+
+    def slow(*a: Any, **k: Any) -> Any:
+        gate.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "resolve", slow)
+    host = ModelHost(str(tiny), (str(tmp_path / "gone"),), tmp_path / "cache", decide_backend("torch"))
+    t0 = time.monotonic()
+    assert host.facts("") == READING and host.facts("") == READING and time.monotonic() - t0 < 1.0
+    gate.set()
+
+    def settled(name: str) -> Any:
+        for _ in range(300):
+            got = host.facts(name)
+            if got != READING:
+                return got
+            time.sleep(0.05)
+        raise AssertionError(f"facts of {name!r} still reading")
+
+    facts = settled("")
+    assert isinstance(facts, ModelFacts) and facts.family == "llama" and facts.parameters > 0
+    gone = settled("gone")
+    assert isinstance(gone, str) and gone.startswith(UNREADABLE), gone
+    assert host.facts("") is facts  # later calls are a lookup
