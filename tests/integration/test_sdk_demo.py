@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-DEMO_TIMEOUT_S = 20 * 60  # 2-3 min on 2 idle AMX cores, 10 min on a 2-core Zen 2 without bf16; bounded for CI
+DEMO_TIMEOUT_S = 20 * 60  # 2-3 min on 2 idle AMX cores, 10 min on a 2-core AVX2-only EPYC; bounded for CI
 
 
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)  # the suite-wide 300 s would cut the demo short on a slow host

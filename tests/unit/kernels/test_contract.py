@@ -119,7 +119,7 @@ def test_ort_cpu_w8a8_scales_activations_per_row() -> None:
 
 def test_ort_cpu_w8a8_stays_at_8_bit_rounding_error_on_this_cpu() -> None:
     """Without VNNI, ORT's u8·s8 kernel adds product pairs into a saturating int16 (2.1e-2 here instead of 1.1e-2 at
-    576x576 on a Zen 2 EPYC): the weight format this machine gets, and uint8 on any machine, must not saturate."""
+    576x576 on an AVX2-only EPYC): the weight format this machine gets, and uint8 on any machine, must not saturate."""
     from lorad.kernels.ort_cpu import OrtCpuFrozenLinear, int8_weight_format
 
     w, b, x, dy = _data(out_f=576, in_f=576, t=256, seed=3)
