@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class ModelFacts:
 
 READING = "reading the model for the first time (a GGUF is converted into the cache once)"
 UNREADABLE = "not readable: "
+FACTS_RETRY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class ModelHost:
         self.default = entries[0]
         self._loaded: dict[str, LoadedModel] = {}
         self._facts: dict[str, ModelFacts | str] = {}  # facts, or why there are none yet (reading / the error)
+        self._facts_failed: dict[str, float] = {}  # monotonic time of a model's last failed read
         self._facts_lock = threading.Lock()
         self._lock = threading.Lock()  # one load at a time; generation itself is serialised by the caller
 
@@ -110,12 +113,15 @@ class ModelHost:
         Never waits: the first call per model starts reading it on a background thread (a GGUF is converted into the
         cache once, 16 s on a 2-core AVX2-only EPYC plus torch's import, past the 15 s attempt deadline of a
         client waiting for the daemon) and says so until it is done; later calls are a dict lookup. A model that
-        cannot be read gets the error, and the next call tries again.
+        cannot be read gets the error, and a call FACTS_RETRY_S after the failure tries again (a client polling
+        status every second must not keep re-reading a broken model while a job trains).
         """
         e = self.entry(name)
         with self._facts_lock:
             known = self._facts.get(e.name)
-            if known is None or (isinstance(known, str) and known.startswith(UNREADABLE)):
+            failed = self._facts_failed.get(e.name)
+            if known is None or (failed is not None and time.monotonic() - failed >= FACTS_RETRY_S):
+                self._facts_failed.pop(e.name, None)
                 self._facts[e.name] = READING
                 threading.Thread(target=self._read_facts, args=(e,), name=f"model-facts-{e.name}", daemon=True).start()
                 return known or READING
@@ -129,11 +135,13 @@ class ModelHost:
         try:
             ck = resolve(e.source, self.cache_root)
             got = ModelFacts(read_config(ck.path).arch, read_weights(ck.path).parameter_count(), ck.model_hash)
-        except (OSError, ValueError) as exc:  # a missing or broken model must not break status
+        except Exception as exc:  # a missing or broken model must not break status, nor stay "reading" for ever
             log.warning("model_facts_unavailable", model=e.name, error=type(exc).__name__)
             got = f"{UNREADABLE}{type(exc).__name__}: {str(exc)[:200]}"
         with self._facts_lock:
             self._facts[e.name] = got
+            if isinstance(got, str):
+                self._facts_failed[e.name] = time.monotonic()
 
     def base(self, name: str) -> LoadedModel:
         """The base model for inference (a ``LoadedModel`` without LoRA), loading it on first use."""

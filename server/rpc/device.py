@@ -13,6 +13,7 @@ from grpc import aio
 from lorad.kernels import fused
 from lorad.server import disk
 from lorad.server.jobs.files import tree_size
+from lorad.server.modelhost import UNREADABLE
 from lorad.server.records import JobState
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
@@ -73,8 +74,8 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
         for e in self.s.models.entries.values():
             m = device_pb2.ModelInfo(name=e.name, is_default=e.is_default)
             facts = self.s.models.facts(e.name)
-            if isinstance(facts, str):
-                m.detail = facts
+            if isinstance(facts, str):  # an app is told that a model is unreadable, never the path in the error
+                m.detail = facts if app_id is None or not facts.startswith(UNREADABLE) else UNREADABLE.rstrip(": ")
             else:
                 m.family, m.parameters, m.sha256 = facts.family, facts.parameters, facts.sha256
             out.models.append(m)

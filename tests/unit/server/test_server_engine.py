@@ -219,6 +219,7 @@ def test_model_facts_never_wait_for_the_first_read_and_name_an_unreadable_model(
     import time
 
     import lorad.server.engine.api as api
+    from lorad.server import modelhost
     from lorad.server.modelhost import READING, UNREADABLE, ModelFacts
 
     gate, real = threading.Event(), api.resolve
@@ -246,3 +247,9 @@ def test_model_facts_never_wait_for_the_first_read_and_name_an_unreadable_model(
     gone = settled("gone")
     assert isinstance(gone, str) and gone.startswith(UNREADABLE), gone
     assert host.facts("") is facts  # later calls are a lookup
+    assert host.facts("gone") == gone  # a failed read is not retried on every status poll...
+    monkeypatch.setattr(modelhost, "FACTS_RETRY_S", 0.0)
+    gate.clear()  # the retry's read waits, so it is seen in progress
+    assert host.facts("gone") == gone and host.facts("gone") == READING  # ...only once FACTS_RETRY_S has passed
+    gate.set()
+    assert settled("gone") == gone
