@@ -120,6 +120,15 @@ void check_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64
 
 uint16_t* bf16_data(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// One normed row, y = x·rstd·w: the one expression the forward, its recomputation (rms_norm_apply) and the A gradients'
+// recomputed rows (rms_norm_a_grads) all evaluate, so they agree bit for bit.
+inline float normed(float x, float rs, float w) { return x * rs * w; }
+
+inline void normed_row(const float* xr, float rs, const float* w, float* yr, int64_t C) {
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) yr[c] = normed(xr[c], rs, w[c]);
+}
+
 // y = x·rstd·w with rstd = 1/sqrt(mean(x²) + eps) per row, rstd [R, 1], and (when asked) y as bfloat16; the second
 // tensor is empty otherwise.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps,
@@ -149,13 +158,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x,
         uint16_t* br = bp + r * C;
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) {
-          const float v = xr[c] * rs * wp[c];
+          const float v = normed(xr[c], rs, wp[c]);
           yr[c] = v;
           br[c] = to_bf16(v);
         }
       } else {
-#pragma omp simd
-        for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * rs * wp[c];
+        normed_row(xr, rs, wp, yr, C);
       }
     }
   });
@@ -175,11 +183,7 @@ at::Tensor rms_norm_apply(const at::Tensor& x, const at::Tensor& rstd, const at:
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, grain_rows(C), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * ldx;
-      const float rs = rp[r];
-      float* yr = yp + r * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * rs * wp[c];
+      normed_row(xp + r * ldx, rp[r], wp, yp + r * C, C);
     }
   });
   return y;
@@ -728,11 +732,7 @@ at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const a
       for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
         const int64_t nr = std::min(kTileRows, R - r0);
         for (int64_t i = 0; i < nr; ++i) {
-          const float* xr = xp + (r0 + i) * ldx;
-          const float rs = rp[r0 + i];
-          float* yr = y.data() + i * C;
-#pragma omp simd
-          for (int64_t c = 0; c < C; ++c) yr[c] = xr[c] * rs * wl[c];
+          normed_row(xp + (r0 + i) * ldx, rp[r0 + i], wl, y.data() + i * C, C);
           for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
         }
         accumulate_tile_outer(y.data(), C, nr, hk.data(), k, pp + blk * k * C, C, C);

@@ -100,7 +100,8 @@ class _LoRASwiGLU(torch.autograd.Function):
         gate_l, up_l, down_l = ctx.layers
         dout2 = rows_fp32(dout, down_l.out_features)
         need_x = ctx.needs_input_grad[2]
-        want_b = need_x and stacked((gate_l, up_l))  # the stacked gate/up GEMM takes [d_gate | d_up] in bf16
+        gu_stacked = stacked((gate_l, up_l))
+        want_b = need_x and gu_stacked  # the stacked gate/up GEMM takes [d_gate | d_up] in bf16
         if ctx.products:
             # d_act first (it needs no act), then one pass: [d_gate | d_up], its bf16 copy and act for down's dA
             d_act, g_d, (d_b_d,) = backward_parts((down_l,), h_d, [dout2], need_x=True)
@@ -109,7 +110,7 @@ class _LoRASwiGLU(torch.autograd.Function):
             # where the stacked gate/up GEMM takes [d_gate | d_up] in bf16, the pass also takes gate's and up's LoRA
             # gradients while each tile is in cache, and their fp32 gradients never exist
             grads = None
-            if stacked((gate_l, up_l)):
+            if gu_stacked:
                 grads = lora_swiglu_backward_grads(d_act, kept, h_gu, bs, scaling=gate_l.scaling)
             if grads is not None:
                 gu_bf16, act, g_rows, d_b_g, d_b_u = grads
