@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +167,15 @@ def test_status_reports_the_models_family_weight_count_and_hash(make_daemon: Any
 
     h = make_daemon()
     assert lorad(tmp_path, h, "app", "register", "notes", "--save").returncode == 0
-    r = lorad(tmp_path, h, "status", "--json")
-    assert r.returncode == 0, r.stderr
-    (m,) = json.loads(r.stdout)["models"]
+    deadline = time.monotonic() + 60
+    while True:  # status never waits for a model's first read: it says so until the facts are known
+        r = lorad(tmp_path, h, "status", "--json")
+        assert r.returncode == 0, r.stderr
+        (m,) = json.loads(r.stdout)["models"]
+        if m["parameters"] or time.monotonic() > deadline:
+            break
+        assert m["detail"].startswith("reading the model for the first time"), m
+        time.sleep(0.2)
     model_dir = Path(h.daemon.cfg.training.default_model)
     expected = 0
     for f in model_dir.glob("*.safetensors"):
