@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,6 +46,22 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object], *, tmp_prefix:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def held_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive flock on `path` (created if absent) for the block; waits while another holder has it.
+
+    flock conflicts between separate opens, so this one lock orders both threads of one process and processes.
+    The lock ends with the file descriptor, so a holder killed mid-way never leaves it held.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def make_temp_dir(final: Path) -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 from tokenizers import Tokenizer
 
+from lorad.server.engine.models.atomic import held_lock
 from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.cache import (
     CheckpointDir,
@@ -102,43 +103,55 @@ def resolve(source: str | Path | None, cache_root: Path) -> CheckpointDir:
     if not path.exists():
         raise FileNotFoundError(f"model source {path} does not exist")
     key = source_key(path)
-    if path.is_file() and path.suffix == ".gguf":
-        out = cache_root / "models" / key
-        m = read_manifest(out)
-        if m is not None:
-            return CheckpointDir(out, m["model_hash"], m["tokenizer_hash"], m["source"])
-        t0 = time.perf_counter()
-        g = read_gguf(path)
-        parse_s = time.perf_counter() - t0
-        tok = ChatTokenizer(Tokenizer.from_str(g.tokenizer_json), g.tokenizer_config)
-        ck = write_checkpoint(
-            out,
-            g.config,
-            g.weights,
-            g.tokenizer_json,
-            g.tokenizer_config,
-            source=str(path),
-            tokenizer_hash=tok.content_hash(),
-        )
-        log.info("gguf_converted", parse_seconds=round(parse_s, 2), total_seconds=round(time.perf_counter() - t0, 2))
-        return ck
-    if is_hf_folder(path):
-        m = read_manifest(path)
-        if m is not None:
-            return CheckpointDir(path, m["model_hash"], m["tokenizer_hash"], m["source"])
-        # A plain HF folder: hash once, remember the hashes by (path, sizes, mtimes).
-        rec = cache_root / "hashes" / f"{key}.json"
-        if rec.is_file():
-            h = json.loads(rec.read_text())
-        else:
-            h = {
-                "model_hash": weights_hash(read_weights(path)),
-                "tokenizer_hash": ChatTokenizer.from_dir(path).content_hash(),
-            }
-            rec.parent.mkdir(parents=True, exist_ok=True)
-            rec.write_text(json.dumps(h))
-        return CheckpointDir(path, h["model_hash"], h["tokenizer_hash"], str(path))
+    # One conversion (or hashing) per source at a time, across threads and processes: a status read and a job
+    # starting together would otherwise both spend the conversion's time and memory, and the later commit would
+    # swap the folder out from under the earlier one's reader. Whoever waited finds the entry complete.
+    with held_lock(cache_root / "locks" / f"{key}.lock"):
+        if path.is_file() and path.suffix == ".gguf":
+            return _converted(path, cache_root / "models" / key)
+        if is_hf_folder(path):
+            return _hashed(path, cache_root / "hashes" / f"{key}.json")
     raise FileNotFoundError(f"{path} is neither a .gguf file nor an HF folder with config.json + *.safetensors")
+
+
+def _converted(path: Path, out: Path) -> CheckpointDir:
+    """The GGUF `path` as an HF folder at `out`, converted now unless a complete conversion is there."""
+    m = read_manifest(out)
+    if m is not None:
+        return CheckpointDir(out, m["model_hash"], m["tokenizer_hash"], m["source"])
+    t0 = time.perf_counter()
+    g = read_gguf(path)
+    parse_s = time.perf_counter() - t0
+    tok = ChatTokenizer(Tokenizer.from_str(g.tokenizer_json), g.tokenizer_config)
+    ck = write_checkpoint(
+        out,
+        g.config,
+        g.weights,
+        g.tokenizer_json,
+        g.tokenizer_config,
+        source=str(path),
+        tokenizer_hash=tok.content_hash(),
+    )
+    log.info("gguf_converted", parse_seconds=round(parse_s, 2), total_seconds=round(time.perf_counter() - t0, 2))
+    return ck
+
+
+def _hashed(path: Path, rec: Path) -> CheckpointDir:
+    """The HF folder `path` with its hashes: from its own manifest, else from `rec` (hashed once and recorded)."""
+    m = read_manifest(path)
+    if m is not None:
+        return CheckpointDir(path, m["model_hash"], m["tokenizer_hash"], m["source"])
+    # A plain HF folder: hash once, remember the hashes by (path, sizes, mtimes).
+    if rec.is_file():
+        h = json.loads(rec.read_text())
+    else:
+        h = {
+            "model_hash": weights_hash(read_weights(path)),
+            "tokenizer_hash": ChatTokenizer.from_dir(path).content_hash(),
+        }
+        rec.parent.mkdir(parents=True, exist_ok=True)
+        rec.write_text(json.dumps(h))
+    return CheckpointDir(path, h["model_hash"], h["tokenizer_hash"], str(path))
 
 
 def load_model(

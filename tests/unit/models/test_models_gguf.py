@@ -69,3 +69,41 @@ def test_cache_conversion_reused(gguf_pair: tuple[Path, Path], tmp_path: Path) -
     stamp = (first.path / "model.safetensors").stat().st_mtime_ns
     again = resolve(path, tmp_path)
     assert again == first and (again.path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_concurrent_first_use_converts_once(
+    gguf_pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status read and a job resolving the same new GGUF together: one conversion, and both get the same folder."""
+    import threading
+    import time
+
+    from lorad.server.engine.models import loader
+
+    _, path = gguf_pair
+    parses: list[float] = []
+
+    def slow_read(p: Path) -> object:
+        parses.append(time.monotonic())
+        time.sleep(0.5)  # wide enough that the second caller arrives while the first converts
+        return read_gguf(p)
+
+    monkeypatch.setattr(loader, "read_gguf", slow_read)
+    got: list[object] = []
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            got.append(resolve(path, tmp_path))
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(got) == 3
+    assert len(parses) == 1, f"{len(parses)} conversions of one GGUF"
+    assert got[0] == got[1] == got[2]
+    assert not [p.name for p in (tmp_path / "models").iterdir() if p.name.startswith(".")], "a leftover temp folder"
