@@ -29,15 +29,48 @@ Overview (docs/design.md §2, docs/qnn_htp.md):
 - ``capabilities``: the one table of what each backend runs (validation, planner menu, status read it);
   ``costs.measure`` times each weight shape and precision once per machine for the planner's cost model.
 - ``detect_backend()`` probes once per process; ``memory_report()`` states the weight bytes held.
+
+Importing this package imports none of its modules (they import torch): each name below is imported on first use
+(PEP 562 ``__getattr__``), so ``lorad serve`` starts without torch and a config or capability lookup stays cheap.
+The ``TYPE_CHECKING`` block and ``_LAZY`` name the same objects (a test checks).
 """
 
-from lorad.kernels._quant import PRECISIONS
-from lorad.kernels.detect import BackendInfo, detect_backend
-from lorad.kernels.frozen import BACKENDS, FrozenLinear, make_frozen_linear, memory_report
-from lorad.kernels.lora import FrozenMatmul, LoRALinear
-from lorad.kernels.plan_cache import apply_plan, load_or_plan
-from lorad.kernels.planner import Measurement, PrecisionPlan, plan_precision
-from lorad.kernels.queue import NpuQueue
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lorad.kernels._quant import PRECISIONS
+    from lorad.kernels.detect import BackendInfo, detect_backend
+    from lorad.kernels.frozen import BACKENDS, FrozenLinear, make_frozen_linear, memory_report
+    from lorad.kernels.lora import FrozenMatmul, LoRALinear
+    from lorad.kernels.plan_cache import apply_plan, load_or_plan
+    from lorad.kernels.planner import Measurement, PrecisionPlan, plan_precision
+    from lorad.kernels.queue import NpuQueue
+
+_K = "lorad.kernels."
+# package name -> (module, name there); imported on first use.
+_LAZY: dict[str, tuple[str, str]] = {
+    "PRECISIONS": (_K + "_quant", "PRECISIONS"),
+    **{n: (_K + "detect", n) for n in ("BackendInfo", "detect_backend")},
+    **{n: (_K + "frozen", n) for n in ("BACKENDS", "FrozenLinear", "make_frozen_linear", "memory_report")},
+    **{n: (_K + "lora", n) for n in ("FrozenMatmul", "LoRALinear")},
+    **{n: (_K + "plan_cache", n) for n in ("apply_plan", "load_or_plan")},
+    **{n: (_K + "planner", n) for n in ("Measurement", "PrecisionPlan", "plan_precision")},
+    "NpuQueue": (_K + "queue", "NpuQueue"),
+}  # fmt: skip
+_IMPORTS = threading.RLock()  # two threads' first uses must not meet a partially initialised module
+
+
+def __getattr__(name: str) -> object:
+    where = _LAZY.get(name)
+    if where is None:  # also how `from lorad.kernels import fused` finds the submodule
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _IMPORTS:
+        return getattr(importlib.import_module(where[0]), where[1])
+
 
 __all__ = [
     "BACKENDS",

@@ -146,7 +146,7 @@ def warm_up() -> None:
     step does not pay for it."""
     with _IMPORTS:
         importlib.import_module(_E + "models.generate")
-        importlib.import_module(_E + "training")
+        importlib.import_module(_E + "training.recipe")
 
 
 __all__ = [

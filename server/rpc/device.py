@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import sys
 from typing import Any
 
 from grpc import aio
 
-from lorad.kernels import fused
 from lorad.server import disk
 from lorad.server.jobs.files import tree_size
 from lorad.server.modelhost import UNREADABLE
@@ -22,6 +22,18 @@ from lorad.v1 import (
     device_pb2,
     device_pb2_grpc,
 )
+
+CPU_KERNELS_UNDECIDED = "not loaded yet: decided when the daemon first loads a model"
+
+
+def _cpu_kernels() -> tuple[bool, str]:
+    """Whether training runs the fused CPU kernels, and why (``fused.describe``), once this process has imported them
+    with its first model; before that torch is not imported, and a status line is no reason to import it."""
+    if "lorad.kernels.fused" not in sys.modules:
+        return False, CPU_KERNELS_UNDECIDED
+    from lorad.kernels import fused  # waits for an import another thread is finishing
+
+    return fused.describe()
 
 
 class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
@@ -44,7 +56,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
                 for k, st in info.available.items()
             ],
         )
-        backend.cpu_kernels.active, detail = fused.describe()
+        backend.cpu_kernels.active, detail = _cpu_kernels()
         if app_id is None:  # the detail names paths on the device
             backend.cpu_kernels.detail = detail
         r = self.s.monitor.latest()

@@ -59,9 +59,9 @@ class Proc:
 def _held_out_loss(model_dir: Path, adapter_dir: Path, samples: list[dict[str, Any]], cache: Path) -> float:
     """Held-out loss of base + adapter on `samples`, measured the way the daemon's trainer measures it."""
     from lorad.server.engine.adapters import load_adapter
-    from lorad.server.engine.models import LoraConfig
+    from lorad.server.engine.api import ChatSample, Message, TrainConfig, Trainer, prepare
+    from lorad.server.engine.models.config import LoraConfig
     from lorad.server.engine.models.loader import load_model
-    from lorad.server.engine.training import ChatSample, Message, TrainConfig, Trainer, prepare
 
     ad = load_adapter(adapter_dir)
     loaded = load_model(model_dir, cache_root=cache, backend="torch", precision="fp32",

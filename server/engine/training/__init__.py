@@ -1,50 +1,9 @@
 """LoRA training: samples → packed batches → layer-wise overlapped AdamW → exact checkpoints, as one recipe.
 
-Public surface:
-- ``TrainConfig``, ``ConfigError`` (config)
-- ``TextSample``, ``ChatSample``, ``Message``, ``prepare``, ``PreparedData``, ``DataReport``, ``DataError`` (data)
-- ``pack``, ``BatchStream`` (packing); ``lr_at`` (schedule); ``LayerwiseAdamW`` (optim)
-- ``Trainer``, ``Progress``, ``TrainResult``, ``PhaseCallback`` (trainer; ``on_phase(phase, fraction)``)
-- ``checkpoint`` module (save/list/load, CheckpointError)
-- ``run_recipe``, ``RecipeResult`` (recipe: setup → train → save → cleanup)
+Modules: ``config`` (TrainConfig, ConfigError), ``data`` (samples, prepare, DataError), ``packing`` (pack,
+BatchStream), ``schedule`` (lr_at), ``optim`` (LayerwiseAdamW), ``trainer`` (Trainer, Progress, TrainResult),
+``checkpoint`` (save/list/load, CheckpointError), ``recipe`` (run_recipe: setup → train → save → cleanup).
+
+The package imports nothing itself: ``lorad.server.engine.api`` is the engine's one public surface, and importing
+``training.config`` (as the daemon's records do) must not import torch through this file.
 """
-
-from lorad.server.engine.training import checkpoint
-from lorad.server.engine.training.config import ConfigError, TrainConfig
-from lorad.server.engine.training.data import (
-    ChatSample,
-    DataError,
-    DataReport,
-    Message,
-    PreparedData,
-    TextSample,
-    prepare,
-)
-from lorad.server.engine.training.optim import LayerwiseAdamW
-from lorad.server.engine.training.packing import BatchStream, pack
-from lorad.server.engine.training.recipe import RecipeResult, run_recipe
-from lorad.server.engine.training.schedule import lr_at
-from lorad.server.engine.training.trainer import PhaseCallback, Progress, Trainer, TrainResult
-
-__all__ = [
-    "BatchStream",
-    "ChatSample",
-    "ConfigError",
-    "DataError",
-    "DataReport",
-    "LayerwiseAdamW",
-    "Message",
-    "PhaseCallback",
-    "PreparedData",
-    "Progress",
-    "RecipeResult",
-    "TextSample",
-    "TrainConfig",
-    "TrainResult",
-    "Trainer",
-    "checkpoint",
-    "lr_at",
-    "pack",
-    "prepare",
-    "run_recipe",
-]

@@ -1,4 +1,8 @@
-"""Exact training checkpoints: atomic single-file writes, a listing by step, and validated loading."""
+"""Exact training checkpoints: atomic single-file writes, a listing by step, and validated loading.
+
+torch is imported by the functions that read or write tensors: the daemon lists checkpoints at start (to say where a
+recovered job resumes) without importing it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 
 from lorad.server.engine.models.atomic import atomic_write as _atomic_write
 from lorad.server.engine.models.config import hf_targets
@@ -67,6 +70,7 @@ def atomic_write(path: Path, write: Callable[[Any], object]) -> None:
 def capture_rng() -> dict[str, Any]:
     """The global RNG states that training consumes: torch CPU, python `random`, numpy (as plain lists)."""
     import numpy as np
+    import torch
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     return {
@@ -85,6 +89,7 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Restores the states saved by `capture_rng`."""
     import numpy as np
+    import torch
 
     torch.set_rng_state(state["torch"])
     py = state["python"]
@@ -99,6 +104,8 @@ def save(directory: Path, state: dict[str, Any], *, keep: int) -> Path:
     Returns:
         The checkpoint path.
     """
+    import torch
+
     state = {"format": FORMAT, "version": VERSION, **state}
     missing = [k for k in REQUIRED if k not in state]
     if missing:
@@ -159,6 +166,8 @@ def load(path: Path, *, expect: dict[str, Any] | None = None) -> dict[str, Any]:
         CheckpointError: unreadable, wrong format, missing keys, step/name mismatch, or a mismatch with `expect`
             (all mismatches are listed).
     """
+    import torch
+
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

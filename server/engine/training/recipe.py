@@ -150,7 +150,7 @@ def run_recipe(
         The result; status "completed" (adapter saved) or "paused" (checkpoint saved).
     """
     # -- setup ---------------------------------------------------------------------------------------------------
-    from lorad.server.engine.models import LoraConfig
+    from lorad.server.engine.models.config import LoraConfig
 
     if backend is not None and cfg.backend not in ("auto", backend.name):
         raise ValueError(f"cfg.backend={cfg.backend!r} but the decided backend is {backend.name!r}")

@@ -15,7 +15,8 @@ from lorad.server.engine.adapters import (
     load_adapter,
     save_adapter,
 )
-from lorad.server.engine.models import LoraConfig, load_model
+from lorad.server.engine.models.config import LoraConfig
+from lorad.server.engine.models.loader import load_model
 from tests.fixtures.tiny_adapter import Trained, make_trained
 
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(9))

@@ -9,7 +9,8 @@ import torch
 
 from lorad.kernels import apply_plan, plan_precision, planner
 from lorad.kernels.plan import shares_copy
-from lorad.server.engine.models import LoraConfig, build_model
+from lorad.server.engine.models.build import build_model
+from lorad.server.engine.models.config import LoraConfig
 from lorad.server.engine.training.precision import _seeded_adapter, calibration_loss
 from tests.fixtures.tiny_lm import CharTokenizer
 from tests.unit.kernels.test_planner import _chain_setup, _setup

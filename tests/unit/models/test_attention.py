@@ -119,7 +119,8 @@ def test_rejects_heads_that_do_not_group() -> None:
 def test_the_model_trains_with_it_only_below_fp32(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
     import lorad.server.engine.models.model as model_mod
     from lorad.kernels.capabilities import cpu_bf16
-    from lorad.server.engine.models import LoraConfig, build_model
+    from lorad.server.engine.models.build import build_model
+    from lorad.server.engine.models.config import LoraConfig
     from tests.unit.training.test_train_recipe import MCFG, _weights
 
     calls: list[int] = []

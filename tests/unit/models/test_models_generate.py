@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorad.server.engine.models import OWN, AdapterWeights, LoraConfig, load_model
+from lorad.server.engine.models.config import LoraConfig
 from lorad.server.engine.models.generate import SamplingConfig, generate, generate_ids, penalize_repeats
+from lorad.server.engine.models.loader import load_model
+from lorad.server.engine.models.model import OWN, AdapterWeights
 from tests.fixtures.tiny_hf import save_tiny_hf, write_tiny_gguf
 
 
@@ -34,7 +36,7 @@ def test_kv_cache_greedy_equals_no_cache(lm) -> None:
 
 
 def test_kv_cache_logits_match_full_forward(lm) -> None:
-    from lorad.server.engine.models import KVCache
+    from lorad.server.engine.models.kv_cache import KVCache
 
     ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -120,7 +122,7 @@ def test_greedy_decoding_does_not_loop_on_one_token_with_a_penalty(lm) -> None:
 def test_real_smollm2_convert_load_generate(tmp_path: Path) -> None:
     import time
 
-    from lorad.server.engine.models import default_model_path
+    from lorad.server.engine.models.loader import default_model_path
 
     t0 = time.perf_counter()
     first = load_model(default_model_path(), cache_root=tmp_path)

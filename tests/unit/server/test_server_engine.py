@@ -99,8 +99,8 @@ def _run(tiny: Path, work: Path, before: float | None, steps: int = 3, **kw: Any
 
 def _base_eval_loss(tiny: Path, cache: Path) -> float:
     """Independent reference: the base model without any LoRA over the trainer's held-out batches."""
+    from lorad.server.engine.api import prepare
     from lorad.server.engine.models.loader import load_model
-    from lorad.server.engine.training import prepare
     from lorad.server.engine.training.packing import eval_batches, target_count
     from lorad.server.jobs.engine import _training_samples
 

@@ -1,15 +1,40 @@
-"""What an idle daemon holds: reading a model's facts does not keep the conversion's memory."""
+"""What an idle daemon holds: `lorad serve` starts without torch, and reading a model's facts does not keep the
+conversion's memory."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from lorad.server.allocator import find_tcmalloc
+
+
+def test_the_daemon_starts_and_serves_without_importing_torch(tmp_path: Path) -> None:
+    """Before any model is needed the daemon has not loaded torch (~200 MB and seconds of start on a phone)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    env["LD_PRELOAD"] = "libc-malloc"  # no re-exec for tcmalloc: the pid below stays the daemon's
+    sock = tmp_path / "d.sock"
+    cmd = [sys.executable, "-m", "lorad.server", "--data-dir", str(tmp_path / "data"), "--socket", str(sock)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, f"the daemon exited: {proc.stderr.read() if proc.stderr else ''}"
+            assert time.monotonic() < deadline, "no socket within 60 s"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the job runner's start (recovery, checkpoint listing) runs just after the bind
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert proc.poll() is None
+        assert "libtorch" not in maps, "lorad serve imported torch before any model was needed"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
 
 CONVERT = """
 import sys, tempfile

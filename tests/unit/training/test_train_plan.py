@@ -15,7 +15,7 @@ from lorad import kernels
 from lorad.kernels import PrecisionPlan, costs
 from lorad.kernels.capabilities import capability
 from lorad.kernels.plan_cache import cache_path
-from lorad.server.engine.models import build_model
+from lorad.server.engine.models.build import build_model
 from lorad.server.engine.models.config import LEGACY_TARGETS
 from lorad.server.engine.training import recipe
 from lorad.server.engine.training.checkpoint import CheckpointError

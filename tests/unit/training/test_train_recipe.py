@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorad.server.engine.models import ModelConfig, build_model
+from lorad.server.engine.models.build import build_model
+from lorad.server.engine.models.config import ModelConfig
 from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.recipe import run_recipe
 from tests.fixtures.tiny_lm import VOCAB, CharTokenizer, corpus
