@@ -142,6 +142,12 @@ class CpuFeature:
     reason: str
 
 
+def is_x86() -> bool:
+    """Whether this is an x86 CPU (64- or 32-bit), the one test of it: compiler flags and the int8 weight format
+    differ by it."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
 @functools.cache
 def cpu_bf16() -> CpuFeature:
     """Detects native bf16 matmul support once: x86 AVX512-BF16 or AMX-BF16, ARM ``bf16`` (ARMv8.6 BFMMLA).

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lorad.kernels.capabilities import cpu_flags
+from lorad.kernels.capabilities import cpu_flags, is_x86
 
 log = structlog.get_logger(__name__)
 
@@ -85,8 +85,7 @@ def _flags(arch: bool) -> list[str]:
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     flags += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
     if arch:  # the build machine is the machine that runs it: use its whole vector unit
-        x86 = platform.machine() in ("x86_64", "AMD64")
-        flags += ["-march=native", "-mprefer-vector-width=512"] if x86 else ["-mcpu=native"]
+        flags += ["-march=native", "-mprefer-vector-width=512"] if is_x86() else ["-mcpu=native"]
     return flags
 
 

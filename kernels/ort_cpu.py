@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import threading
 import weakref
 from typing import Any
@@ -44,7 +43,7 @@ from torch import Tensor
 
 from lorad.kernels._onnx import MS_DOMAIN, init, model_bytes, value
 from lorad.kernels._quant import check_precision, quantize_weight
-from lorad.kernels.capabilities import CAPABILITIES, cpu_int8
+from lorad.kernels.capabilities import CAPABILITIES, cpu_int8, is_x86
 
 SUPPORTED = CAPABILITIES["ort-cpu"].precisions
 
@@ -114,8 +113,7 @@ def int8_weight_format() -> str:
     """How this machine stores the w8a8 weight for ONNX Runtime: ``"s8"`` (int8, zero point 0) where its u8·s8 kernel
     is exact (int8 dot products on x86, any ARM core), ``"u8"`` (uint8, zero point 128: the same grid shifted) on x86
     without them, where that kernel saturates int16 pair sums (module docstring)."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-    return "u8" if x86 and not cpu_int8().native else "s8"
+    return "u8" if is_x86() and not cpu_int8().native else "s8"
 
 
 def _stored_weight(q: np.ndarray, fmt: str) -> np.ndarray:

@@ -137,11 +137,14 @@ def test_ort_cpu_w8a8_stays_at_8_bit_rounding_error_on_this_cpu() -> None:
 
 
 def test_ort_cpu_int8_weight_format_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
     import lorad.kernels.ort_cpu as oc
     from lorad.kernels.capabilities import CpuFeature
 
-    for machine, vnni, want in [("x86_64", False, "u8"), ("x86_64", True, "s8"), ("aarch64", False, "s8")]:
-        monkeypatch.setattr(oc.platform, "machine", lambda m=machine: m)
+    cases = [("x86_64", False, "u8"), ("AMD64", False, "u8"), ("x86_64", True, "s8"), ("aarch64", False, "s8")]
+    for machine, vnni, want in cases:
+        monkeypatch.setattr(platform, "machine", lambda m=machine: m)
         monkeypatch.setattr(oc, "cpu_int8", lambda v=vnni: CpuFeature(v, "test"))
         assert oc.int8_weight_format() == want, (machine, vnni)
     with pytest.raises(ValueError, match=r"weight_format must be one of .*'q8'"):
