@@ -43,8 +43,16 @@ class ModelFacts:
 
 
 READING = "reading the model for the first time (a GGUF is converted into the cache once)"
-UNREADABLE = "not readable: "
+UNREADABLE = "not readable"  # an app's whole detail; the owner's detail goes on with ": <the error>"
 FACTS_RETRY_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Unknown:
+    """Why a model's facts are not known: being read (``failed_at`` None), or the read failed then (monotonic s)."""
+
+    detail: str
+    failed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,7 @@ class ModelHost:
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
         self._loaded: dict[str, LoadedModel] = {}
-        self._facts: dict[str, ModelFacts | str] = {}  # facts, or why there are none yet (reading / the error)
-        self._facts_failed: dict[str, float] = {}  # monotonic time of a model's last failed read
+        self._facts: dict[str, ModelFacts | _Unknown] = {}
         self._facts_lock = threading.Lock()
         self._lock = threading.Lock()  # one load at a time; generation itself is serialised by the caller
 
@@ -119,29 +126,26 @@ class ModelHost:
         e = self.entry(name)
         with self._facts_lock:
             known = self._facts.get(e.name)
-            failed = self._facts_failed.get(e.name)
-            if known is None or (failed is not None and time.monotonic() - failed >= FACTS_RETRY_S):
-                self._facts_failed.pop(e.name, None)
-                self._facts[e.name] = READING
+            if isinstance(known, ModelFacts):
+                return known
+            if known is None or (known.failed_at is not None and time.monotonic() - known.failed_at >= FACTS_RETRY_S):
+                self._facts[e.name] = _Unknown(READING)
                 threading.Thread(target=self._read_facts, args=(e,), name=f"model-facts-{e.name}", daemon=True).start()
-                return known or READING
-            return known
+            return known.detail if known is not None else READING
 
     def _read_facts(self, e: ModelEntry) -> None:
         with ENGINE_IMPORTS:
             from lorad.server.engine.api import read_config, read_weights, resolve
 
-        got: ModelFacts | str
+        got: ModelFacts | _Unknown
         try:
             ck = resolve(e.source, self.cache_root)
             got = ModelFacts(read_config(ck.path).arch, read_weights(ck.path).parameter_count(), ck.model_hash)
         except Exception as exc:  # a missing or broken model must not break status, nor stay "reading" for ever
             log.warning("model_facts_unavailable", model=e.name, error=type(exc).__name__)
-            got = f"{UNREADABLE}{type(exc).__name__}: {str(exc)[:200]}"
+            got = _Unknown(f"{UNREADABLE}: {type(exc).__name__}: {str(exc)[:200]}", time.monotonic())
         with self._facts_lock:
             self._facts[e.name] = got
-            if isinstance(got, str):
-                self._facts_failed[e.name] = time.monotonic()
 
     def base(self, name: str) -> LoadedModel:
         """The base model for inference (a ``LoadedModel`` without LoRA), loading it on first use."""

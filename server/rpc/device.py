@@ -87,7 +87,7 @@ class DeviceServicer(device_pb2_grpc.DeviceServiceServicer):
             m = device_pb2.ModelInfo(name=e.name, is_default=e.is_default)
             facts = self.s.models.facts(e.name)
             if isinstance(facts, str):  # an app is told that a model is unreadable, never the path in the error
-                m.detail = facts if app_id is None or not facts.startswith(UNREADABLE) else UNREADABLE.rstrip(": ")
+                m.detail = facts if app_id is None or not facts.startswith(UNREADABLE) else UNREADABLE
             else:
                 m.family, m.parameters, m.sha256 = facts.family, facts.parameters, facts.sha256
             out.models.append(m)

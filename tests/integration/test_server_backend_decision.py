@@ -119,3 +119,30 @@ def test_status_says_whether_the_cpu_kernels_run_and_only_the_owner_sees_where(m
     app, _ = d.register("notes")
     st = app.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=app.md).backend.cpu_kernels
     assert st.active is (ops is not None) and st.detail == ""  # the detail names paths on the device
+
+
+def test_an_unreadable_model_is_named_to_the_owner_and_only_called_not_readable_to_an_app(
+    make_daemon, tmp_path: Path
+) -> None:
+    import time
+
+    from lorad.server.modelhost import UNREADABLE
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()  # a folder that is not a model: its error names the device path
+    d = make_daemon(training={"model_dirs": [str(broken)]})
+    owner = d.owner()
+    app, _ = d.register("notes")
+
+    def detail(who: Any) -> str:
+        for _ in range(200):
+            st = who.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=who.md)
+            m = next(m for m in st.models if m.name == "broken-model")
+            if not m.detail.startswith("reading"):
+                return m.detail
+            time.sleep(0.05)
+        raise AssertionError("the broken model is still being read")
+
+    got = detail(owner)
+    assert got.startswith(f"{UNREADABLE}: FileNotFoundError") and str(broken) in got, got
+    assert detail(app) == UNREADABLE
