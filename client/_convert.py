@@ -173,6 +173,11 @@ def append_result(m: data_pb2.AppendSamplesResponse) -> t.AppendResult:
     return t.AppendResult(m.accepted_count, m.duplicate_count, tuple(m.sample_ids), ds)
 
 
+def dataset_deleted(m: data_pb2.DeleteDatasetResponse) -> t.DatasetDeleted:
+    """Converts the outcome of DeleteDataset."""
+    return t.DatasetDeleted(m.deleted_samples, m.deleted_adapters)
+
+
 def forget_result(m: data_pb2.ForgetAppResponse) -> t.ForgetResult:
     """Converts the outcome of ForgetApp."""
     return t.ForgetResult(m.deleted_samples, m.deleted_adapters, m.deleted_jobs, m.freed_bytes)

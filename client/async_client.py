@@ -251,13 +251,19 @@ class AsyncClient:
         )
         return [conv.stored_sample(s) for s in pb]
 
-    async def delete_dataset(self, dataset_id: str, cancel_dependents: bool = False) -> int:
-        """Deletes a dataset; returns the number of samples deleted.
+    async def delete_dataset(
+        self, dataset_id: str, cancel_dependents: bool = False, delete_adapters: bool = False
+    ) -> t.DatasetDeleted:
+        """Deletes a dataset, its samples and the checkpoints of the jobs that read it.
 
-        Unfinished jobs or schedules reading it make this FailedPrecondition unless ``cancel_dependents``.
+        Unfinished jobs or schedules reading it make this FailedPrecondition unless ``cancel_dependents``. The adapters
+        that learned from it stay unless ``delete_adapters`` (then those trained on it, and those trained on from
+        them, go too).
         """
-        req = data_pb2.DeleteDatasetRequest(dataset_id=dataset_id, cancel_dependents=cancel_dependents)
-        return int((await self._unary("DeleteDataset", self._data.DeleteDataset, req)).deleted_samples)
+        req = data_pb2.DeleteDatasetRequest(
+            dataset_id=dataset_id, cancel_dependents=cancel_dependents, delete_adapters=delete_adapters
+        )
+        return conv.dataset_deleted(await self._unary("DeleteDataset", self._data.DeleteDataset, req))
 
     async def forget_app(self, app_id: str = "") -> t.ForgetResult:
         """Deletes all of an app's data, jobs and adapters (an app names itself or ""; the owner names one)."""

@@ -162,9 +162,11 @@ class Client:
         """Lists a dataset's samples."""
         return self._loop.run(self._aio.list_samples(dataset_id))
 
-    def delete_dataset(self, dataset_id: str, cancel_dependents: bool = False) -> int:
-        """Deletes a dataset; returns the samples deleted (see the async client for ``cancel_dependents``)."""
-        return self._loop.run(self._aio.delete_dataset(dataset_id, cancel_dependents))
+    def delete_dataset(
+        self, dataset_id: str, cancel_dependents: bool = False, delete_adapters: bool = False
+    ) -> t.DatasetDeleted:
+        """Deletes a dataset (see the async client for ``cancel_dependents`` and ``delete_adapters``)."""
+        return self._loop.run(self._aio.delete_dataset(dataset_id, cancel_dependents, delete_adapters))
 
     def forget_app(self, app_id: str = "") -> t.ForgetResult:
         """Deletes all of an app's data, jobs and adapters."""

@@ -220,6 +220,14 @@ class AppendResult:
 
 
 @dataclass(frozen=True)
+class DatasetDeleted:
+    """What deleting a dataset deleted."""
+
+    deleted_samples: int
+    deleted_adapters: int  # with delete_adapters: the adapters that learned from it
+
+
+@dataclass(frozen=True)
 class ForgetResult:
     """What forgetting an app deleted."""
 

@@ -18,13 +18,22 @@ import structlog
 from lorad.server import intents
 from lorad.server.errors import FailedPrecondition, LoradError, Unavailable
 from lorad.server.jobs.files import remove_tree, tree_size
-from lorad.server.records import ACTIVE_STATES, Job, JobState
+from lorad.server.records import ACTIVE_STATES, AdapterRec, Job, JobState
 from lorad.server.services import Services
 from lorad.server.store.purge import Purger
 
 log = structlog.get_logger(__name__)
 
 RemoveWindow = Callable[[str], None]
+DATASET, DATASET_AND_ADAPTERS = "dataset", "dataset+adapters"  # the intent kinds of DeleteDataset
+
+
+@dataclass(frozen=True)
+class DatasetDeleted:
+    """What DeleteDataset deleted."""
+
+    deleted_samples: int
+    deleted_adapters: int
 
 
 @dataclass(frozen=True)
@@ -113,16 +122,33 @@ def dependents(s: Services, app_id: str, dataset_id: str) -> tuple[list[Job], li
     return jobs, scheds
 
 
+def derived_adapters(s: Services, app_id: str, dataset_id: str) -> list[AdapterRec]:
+    """The app's adapters that learned from ``dataset_id``: trained by a job that read it, or by a job that started
+    from such an adapter (``init_adapter_id``), and so on down the line."""
+    jobs = s.jobs.of_app(app_id)
+    adapters = s.adapters.all_for_app(app_id)
+    learned = {j.job_id for j in jobs if dataset_id in j.spec.dataset_ids}
+    out: dict[str, AdapterRec] = {}
+    while True:
+        found = {a.adapter_id: a for a in adapters if a.job_id in learned and a.adapter_id not in out}
+        if not found:
+            return list(out.values())
+        out.update(found)
+        learned |= {j.job_id for j in jobs if j.spec.init_adapter_id in found}
+
+
 def delete_dataset(
     s: Services,
     app_id: str,
     dataset_id: str,
+    *,
     cancel_dependents: bool = False,
     remove_window: RemoveWindow | None = None,
-) -> int:
-    """Deletes a dataset, its samples and the checkpoints of every job that read it; returns the sample count.
-
-    Adapters already trained on it stay (they are the app's product; DeleteAdapter or ForgetApp removes them).
+    delete_adapters: bool = False,
+) -> DatasetDeleted:
+    """Deletes a dataset, its samples and the checkpoints of every job that read it, and with ``delete_adapters``
+    every adapter that learned from it (``derived_adapters``); without it those adapters stay (they are the app's
+    product; DeleteAdapter or ForgetApp removes them).
 
     Raises:
         NotFound: absent or another app's dataset.
@@ -137,20 +163,32 @@ def delete_dataset(
             f"dataset {dataset_id!r} is used by {shown}; cancel the jobs and delete the schedules first, or pass "
             "cancel_dependents=true (CLI: --cancel-dependents) to cancel them with the dataset"
         )
-    marker = intents.record(s.layout.data_dir, "dataset", app_id, dataset_id)
-    n = finish_delete_dataset(s, app_id, dataset_id, remove_window)
+    marker = intents.record(s.layout.data_dir, DATASET_AND_ADAPTERS if delete_adapters else DATASET, app_id, dataset_id)
+    r = finish_delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
     intents.clear(marker)
     s.reserve.ensure()
-    return n
+    return r
 
 
-def finish_delete_dataset(s: Services, app_id: str, dataset_id: str, remove_window: RemoveWindow | None = None) -> int:
+def finish_delete_dataset(
+    s: Services,
+    app_id: str,
+    dataset_id: str,
+    remove_window: RemoveWindow | None = None,
+    *,
+    delete_adapters: bool = False,
+) -> DatasetDeleted:
     """The body of DeleteDataset (also run at start for an interrupted one); idempotent."""
     readers = s.jobs.for_dataset(app_id, dataset_id)
     ids = [j.job_id for j in readers]
     _stop(s, app_id, ids)
     try:
+        # Found before any row goes: the job rows stay, so an interrupted run finds the same line again.
+        adapters = derived_adapters(s, app_id, dataset_id) if delete_adapters else []
         p = _purger(s)
+        for a in adapters:  # files first (they free the space), then the row
+            remove_tree(s.layout.adapter_dir(app_id, a.adapter_id))
+            p.execute("DELETE FROM adapters WHERE adapter_id=?", (a.adapter_id,))
         for j in readers:
             remove_tree(s.layout.job_dir(app_id, j.job_id))  # checkpoints and plans trained on the data
             if j.state in ACTIVE_STATES:
@@ -175,8 +213,8 @@ def finish_delete_dataset(s: Services, app_id: str, dataset_id: str, remove_wind
     finally:
         s.runner.release(app_id, ids)
     s.hub.notify()
-    log.info("dataset_deleted", samples=n, jobs=len(ids), schedules=len(scheds))
-    return n
+    log.info("dataset_deleted", samples=n, jobs=len(ids), schedules=len(scheds), adapters=len(adapters))
+    return DatasetDeleted(n, len(adapters))
 
 
 def resume_pending(s: Services, remove_window: RemoveWindow | None = None) -> int:
@@ -186,8 +224,8 @@ def resume_pending(s: Services, remove_window: RemoveWindow | None = None) -> in
         try:
             if kind == "forget" and len(ids) == 1:
                 finish_forget(s, ids[0], remove_window)
-            elif kind == "dataset" and len(ids) == 2:
-                finish_delete_dataset(s, ids[0], ids[1], remove_window)
+            elif kind in (DATASET, DATASET_AND_ADAPTERS) and len(ids) == 2:
+                finish_delete_dataset(s, ids[0], ids[1], remove_window, delete_adapters=kind == DATASET_AND_ADAPTERS)
             else:
                 log.warning("intent_unknown", kind=kind)
         except LoradError as exc:

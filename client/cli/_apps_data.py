@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,11 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
         "--cancel-dependents",
         action="store_true",
         help="also cancel unfinished jobs and delete schedules that read the dataset",
+    )
+    dele.add_argument(
+        "--with-adapters",
+        action="store_true",
+        help="also delete the adapters that learned from it (trained on it, or trained on from such an adapter)",
     )
     dele.set_defaults(func=data_delete)
 
@@ -212,9 +218,10 @@ def data_list(args: argparse.Namespace) -> int:
 def data_delete(args: argparse.Namespace) -> int:
     """Deletes a dataset."""
     with make_client(args) as c:
-        n = c.delete_dataset(args.dataset, cancel_dependents=args.cancel_dependents)
+        r = c.delete_dataset(args.dataset, cancel_dependents=args.cancel_dependents, delete_adapters=args.with_adapters)
     if opt(args, "json"):
-        print_json({"dataset_id": args.dataset, "deleted_samples": n})
+        print_json({"dataset_id": args.dataset, **dataclasses.asdict(r)})
     else:
-        print(f"deleted {args.dataset!r} ({n} samples)")
+        adapters = f", {r.deleted_adapters} adapters" if args.with_adapters else ""
+        print(f"deleted {args.dataset!r} ({r.deleted_samples} samples{adapters})")
     return EXIT_OK

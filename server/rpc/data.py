@@ -81,8 +81,16 @@ class DataServicer(data_pb2_grpc.DataServiceServicer):
     async def DeleteDataset(self, request: data_pb2.DeleteDatasetRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         ds = v.check_id("dataset_id", request.dataset_id)
-        n = await asyncio.to_thread(delete_dataset, self.s, app_id, ds, request.cancel_dependents, self.remove_window)
-        return data_pb2.DeleteDatasetResponse(deleted_samples=n)
+        r = await asyncio.to_thread(
+            delete_dataset,
+            self.s,
+            app_id,
+            ds,
+            cancel_dependents=request.cancel_dependents,
+            remove_window=self.remove_window,
+            delete_adapters=request.delete_adapters,
+        )
+        return data_pb2.DeleteDatasetResponse(deleted_samples=r.deleted_samples, deleted_adapters=r.deleted_adapters)
 
     async def ForgetApp(self, request: data_pb2.ForgetAppRequest, context: aio.ServicerContext) -> Any:
         p = principal()

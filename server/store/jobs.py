@@ -315,8 +315,12 @@ class JobRepo:
         with self.db.read() as c:
             return [r["job_id"] for r in c.execute("SELECT job_id FROM jobs WHERE app_id=?", (app_id,)).fetchall()]
 
-    def for_dataset(self, app_id: str, dataset_id: str) -> list[Job]:
-        """Every job of the app (any state) that reads ``dataset_id``."""
+    def of_app(self, app_id: str) -> list[Job]:
+        """Every job of the app (any state), oldest first."""
         with self.db.read() as c:
             rows = c.execute("SELECT * FROM jobs WHERE app_id=? ORDER BY seq", (app_id,)).fetchall()
-        return [j for j in map(_job, rows) if dataset_id in j.spec.dataset_ids]
+        return list(map(_job, rows))
+
+    def for_dataset(self, app_id: str, dataset_id: str) -> list[Job]:
+        """Every job of the app (any state) that reads ``dataset_id``."""
+        return [j for j in self.of_app(app_id) if dataset_id in j.spec.dataset_ids]

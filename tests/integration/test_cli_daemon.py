@@ -80,6 +80,12 @@ def test_cli_session_against_real_daemon(make_daemon: Any, tmp_path: Path) -> No
     assert ("kernels   active" if fused.kernels() is not None else "kernels   inactive") in out
     assert s["backend"]["cpu_kernels"]["active"] is (fused.kernels() is not None)
 
+    r = lorad(tmp_path, h, "data", "delete", "diary", "--with-adapters", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"dataset_id": "diary", "deleted_samples": 16, "deleted_adapters": 1}
+    r = lorad(tmp_path, h, "adapters", "list", "--json")
+    assert json.loads(r.stdout) == [], "the adapter that learned the diary went with it"
+
     r = lorad(tmp_path, h, "app", "revoke", "notes")
     assert r.returncode == 0
     r = lorad(tmp_path, h, "data", "list")

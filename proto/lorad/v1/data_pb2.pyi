@@ -327,19 +327,25 @@ class DeleteDatasetRequest(_message.Message):
 
     DATASET_ID_FIELD_NUMBER: _builtins.int
     CANCEL_DEPENDENTS_FIELD_NUMBER: _builtins.int
+    DELETE_ADAPTERS_FIELD_NUMBER: _builtins.int
     dataset_id: _builtins.str
     """The dataset to delete."""
     cancel_dependents: _builtins.bool
     """Also cancel the unfinished jobs and delete the schedules that read it (otherwise they make it FAILED_PRECONDITION)."""
+    delete_adapters: _builtins.bool
+    """Also delete every adapter that learned from it: those trained by a job that read it, and those trained on from
+    such an adapter (init_adapter_id), with their cached exports. Without this the adapters stay.
+    """
     def __init__(
         self,
         *,
         dataset_id: _builtins.str = ...,
         cancel_dependents: _builtins.bool = ...,
+        delete_adapters: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_dependents", b"cancel_dependents", "dataset_id", b"dataset_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_dependents", b"cancel_dependents", "dataset_id", b"dataset_id", "delete_adapters", b"delete_adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -350,16 +356,20 @@ class DeleteDatasetResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DELETED_SAMPLES_FIELD_NUMBER: _builtins.int
+    DELETED_ADAPTERS_FIELD_NUMBER: _builtins.int
     deleted_samples: _builtins.int
     """Samples deleted."""
+    deleted_adapters: _builtins.int
+    """Adapters deleted (delete_adapters)."""
     def __init__(
         self,
         *,
         deleted_samples: _builtins.int = ...,
+        deleted_adapters: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted_samples", b"deleted_samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted_adapters", b"deleted_adapters", "deleted_samples", b"deleted_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -52,7 +52,7 @@ def test_append_mixed_samples_and_duplicates(fake: FakeDaemon) -> None:
         assert (again.accepted_count, again.duplicate_count) == (0, 1)
         assert [d.dataset_id for d in c.list_datasets()] == ["diary"]
         assert c.get_dataset("diary").sample_count == 4
-        assert c.delete_dataset("diary") == 4
+        assert c.delete_dataset("diary").deleted_samples == 4
         with pytest.raises(lc.NotFound):
             c.get_dataset("diary")
 
