@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from lorad.client.federated.lora import (
 )
 
 GATE_POLL_S = 1.0  # how often a waiting job's state is read
+ROUND_REQUEST = re.compile(r"fed-\d+-\d+")  # request ids of round jobs: fed-<run id>-<round>
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,37 @@ def run_round(node: NodeSettings, plan: RoundPlan, arrays: Arrays) -> RoundResul
         return RoundResult(declined=_decline_reason(exc))
 
 
+def round_request_id(plan: RoundPlan) -> str:
+    """The request id of this round's job (CreateJob is idempotent on it: a retried round finds its job)."""
+    return f"fed-{plan.run_id}-{plan.server_round}"
+
+
+def reap_orphans(c: lc.Client, keep_request: str) -> int:
+    """Cancels the round jobs that earlier rounds left unfinished and deletes those rounds' adapters (the imported
+    global one and the trained one); returns how many jobs it cancelled.
+
+    A round cleans up after itself when it ends; a SuperNode killed mid-round never got there, and its job would
+    train on for nobody while its adapters held the app's quota. `lorad federate join` runs one SuperNode per app on
+    a device, so every round job of the app is this node's; ``keep_request`` is the round now running.
+    """
+    rounds = [j for j in c.list_jobs() if ROUND_REQUEST.fullmatch(j.request_id) and j.request_id != keep_request]
+    cancelled = 0
+    for j in rounds:
+        if not j.is_final:
+            c.cancel_job(j)
+            cancelled += 1
+    theirs = {j.config.init_adapter_id for j in rounds} | {j.adapter_id for j in rounds}
+    for a in c.list_adapters():
+        if a.adapter_id in theirs:
+            try:
+                c.delete_adapter(a.adapter_id)
+            except lc.NotFound:
+                pass  # deleted meanwhile
+    return cancelled
+
+
 def _train(c: lc.Client, node: NodeSettings, plan: RoundPlan, arrays: Arrays) -> RoundResult:
+    reap_orphans(c, round_request_id(plan))
     status = c.device_status()
     if not status.can_train and node.gate_wait_s <= 0:
         return RoundResult(declined=(status.blocked_reasons or (lc.BlockedReason.CONDITIONS_UNKNOWN,))[0].value)
@@ -160,7 +192,7 @@ def _train(c: lc.Client, node: NodeSettings, plan: RoundPlan, arrays: Arrays) ->
             eval_every_steps=plan.steps,
             checkpoint_every_steps=plan.steps,
         )
-        job = c.create_job(node.datasets, cfg, request_id=f"fed-{plan.run_id}-{plan.server_round}")
+        job = c.create_job(node.datasets, cfg, request_id=round_request_id(plan))
         job = _wait(c, job, node)
         if job.state != lc.JobState.SUCCEEDED:
             if not job.is_final:

@@ -164,6 +164,11 @@ def test_three_devices_three_rounds_decline_and_sigkill(tmp_path: Path, tiny_lla
         nodes["b"].kill(signal.SIGKILL)
         nodes["b"] = supernode("b")
         wait_path(out / "summary.json", 400)
+        with lc.Client(target_b, token_b, timeout=30) as c:
+            # The restarted B's round 3 reaped what the killed round 2 left: no job trains on for nobody, and no
+            # round's adapter stays behind in the app's quota.
+            assert all(j.is_final for j in c.list_jobs()), c.list_jobs()
+            assert c.list_adapters() == []
     finally:
         for p in procs:
             p.kill()

@@ -145,3 +145,40 @@ def test_compose_adds_the_updates() -> None:
     torch.testing.assert_close(c.scale * b @ a, want)
     a, b = c.tensors["m.v"]
     torch.testing.assert_close(c.scale * b @ a, 0.5 * w1.tensors["m.v"][1] @ w1.tensors["m.v"][0])
+
+
+def test_a_round_reaps_what_a_killed_round_left(make_daemon: Any, tiny_llama: Path, tmp_path: Path) -> None:
+    """A SuperNode killed mid-round leaves its job and adapters; the next round cancels the one and deletes the
+    others, and leaves the app's own jobs and adapters alone."""
+    from lorad.client.federated.device import reap_orphans
+    from tests.integration.helpers import GOOD_PROBE
+
+    d = make_daemon()
+    stubs, token = d.register("fedapp")
+    append(stubs, samples=corpus(24))
+    base_hash = _model_hash(tiny_llama, tmp_path / "hashcache")
+    fed, tensors = _global_adapter(tiny_llama, base_hash, np.random.default_rng(0))
+    cfg = lc.TrainingConfig(max_steps=2, seq_len=64, eval_fraction=0.3, batch_size=2)
+    with lc.Client(f"unix:{d.daemon.socket_path}", token, retry=FAST, timeout=60) as c:
+
+        def done(job: lc.Job) -> lc.Job:
+            for _ in c.watch(job):
+                pass
+            return c.get_job(job)
+
+        own = done(c.create_job(["notes"], cfg, request_id="fed-notes"))  # the app's own, not a round's
+        imported = c.import_adapter(peft_tar(fed, tensors), base_hash)
+        round_cfg = lc.TrainingConfig(init_adapter_id=imported.adapter_id, max_steps=2, seq_len=64, eval_fraction=0.3,
+                                      batch_size=2)  # fmt: skip
+        finished = done(c.create_job(["notes"], round_cfg, request_id="fed-7-1"))  # killed before it cleaned up
+        assert finished.state == lc.JobState.SUCCEEDED and finished.adapter_id
+        d.set_probe({**GOOD_PROBE, "charging": False})  # the next orphan waits for the charger
+        stuck = c.create_job(["notes"], cfg, request_id="fed-7-2")
+        current = c.create_job(["notes"], cfg, request_id="fed-8-1")  # the round now running is kept
+
+        assert reap_orphans(c, "fed-8-1") == 1
+        assert c.get_job(stuck).state == lc.JobState.CANCELLED
+        assert not c.get_job(current).is_final
+        assert {a.adapter_id for a in c.list_adapters()} == {own.adapter_id}
+        assert reap_orphans(c, "fed-8-1") == 0  # nothing left to reap
+        c.cancel_job(current)
