@@ -212,6 +212,8 @@ def finish_delete_dataset(
         p.finish()
     finally:
         s.runner.release(app_id, ids)
+    for hook in s.on_adapters_deleted:
+        hook([a.adapter_id for a in adapters])
     s.hub.notify()
     log.info("dataset_deleted", samples=n, jobs=len(ids), schedules=len(scheds), adapters=len(adapters))
     return DatasetDeleted(n, len(adapters))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +89,12 @@ class Generator:
         with self._lock:
             for k in [k for k, (owner, _) in self._adapters.items() if owner == app_id]:
                 del self._adapters[k]
+
+    def drop(self, adapter_ids: Collection[str]) -> None:
+        """Forgets the weights of deleted adapters held in memory."""
+        with self._lock:
+            for k in adapter_ids:
+                self._adapters.pop(k, None)
 
     def _adapter_weights(self, rec: AdapterRec, loaded: LoadedModel) -> AdapterWeights:
         from safetensors import SafetensorError

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +58,8 @@ class Services:
     reserve: SpaceReserve
     backend: BackendDecision  # the one backend decision of this daemon (status, CreateJob, jobs, inference)
     on_forget: list[Callable[[str], None]] = field(default_factory=list)  # per-app in-memory caches to drop
+    # in-memory copies of deleted adapters to drop (DeleteAdapter, DeleteDataset with its adapters), by adapter id
+    on_adapters_deleted: list[Callable[[Collection[str]], None]] = field(default_factory=list)
     streams: OpenStreams = field(default_factory=OpenStreams)  # open streaming calls, ended on revocation
 
     @property

@@ -92,4 +92,6 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
         app_id = principal().require_app()
         aid = v.check_server_id("adapter_id", request.adapter_id)
         freed = await asyncio.to_thread(self.s.library.delete, app_id, aid)
+        for hook in self.s.on_adapters_deleted:
+            hook((aid,))
         return adapters_pb2.DeleteAdapterResponse(freed_bytes=freed)

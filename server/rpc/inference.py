@@ -45,6 +45,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.gen = Generator(s.models)
         self.queue = GenerationQueue()
         s.on_forget.append(self.gen.drop_app)
+        s.on_adapters_deleted.append(self.gen.drop)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext

@@ -10,7 +10,7 @@ import pytest
 
 from lorad.server import intents
 from lorad.server.forget import DATASET_AND_ADAPTERS, resume_pending
-from lorad.v1 import adapters_pb2, data_pb2, jobs_pb2
+from lorad.v1 import adapters_pb2, data_pb2, inference_pb2, jobs_pb2
 from tests.integration.helpers import FINAL, append, create_job, wait_state
 
 pytestmark = pytest.mark.integration
@@ -44,6 +44,7 @@ def test_deleting_a_dataset_with_its_adapters(make_daemon: Any) -> None:
     assert (r.deleted_samples, r.deleted_adapters) == (stored["kept"], 0)
     assert _adapters(app) == {learned, on_top, other, kept}, "without delete_adapters the adapters stay"
 
+    held = _generated_with(app, d, learned, other)  # their weights are now held in the daemon's memory
     r = app.data.DeleteDataset(data_pb2.DeleteDatasetRequest(dataset_id="diary", delete_adapters=True), metadata=app.md)
     assert (r.deleted_samples, r.deleted_adapters) == (stored["diary"], 2)
     assert _adapters(app) == {other, kept}
@@ -51,6 +52,19 @@ def test_deleting_a_dataset_with_its_adapters(make_daemon: Any) -> None:
     assert dirs[other].is_dir() and dirs[kept].is_dir()
     jobs = app.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=app.md).jobs
     assert len(jobs) == 4, "the job records stay (their checkpoints of the data are gone)"
+    assert set(held) == {other}, "a deleted adapter's weights do not stay in memory"
+    app.adapters.DeleteAdapter(adapters_pb2.DeleteAdapterRequest(adapter_id=other), metadata=app.md)
+    assert set(held) == set()
+
+
+def _generated_with(app: Any, d: Any, *adapter_ids: str) -> dict[str, Any]:
+    """Runs a short Generate with each adapter; returns the daemon's in-memory adapter weights (by adapter id)."""
+    for a in adapter_ids:
+        list(app.inference.Generate(inference_pb2.GenerateRequest(adapter_id=a, text="hi", max_tokens=2),
+                                    metadata=app.md))  # fmt: skip
+    gen = next(h.__self__ for h in d.daemon.services.on_adapters_deleted)  # the inference servicer's Generator
+    assert set(gen._adapters) >= set(adapter_ids)
+    return gen._adapters
 
 
 def test_an_interrupted_deletion_with_adapters_finishes_at_start(make_daemon: Any, tmp_path: Path) -> None:
