@@ -38,7 +38,6 @@ The ``TYPE_CHECKING`` block and ``_LAZY`` name the same objects (a test checks).
 from __future__ import annotations
 
 import importlib
-import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -61,15 +60,15 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{n: (_K + "planner", n) for n in ("Measurement", "PrecisionPlan", "plan_precision")},
     "NpuQueue": (_K + "queue", "NpuQueue"),
 }  # fmt: skip
-_IMPORTS = threading.RLock()  # two threads' first uses must not meet a partially initialised module
 
 
 def __getattr__(name: str) -> object:
+    # No lock of its own: the engine imports under lorad.server.engine.api's, and a second lock taken inside it here
+    # could invert with Python's per-module import locks; a name costs what importing its module directly costs.
     where = _LAZY.get(name)
     if where is None:  # also how `from lorad.kernels import fused` finds the submodule
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with _IMPORTS:
-        return getattr(importlib.import_module(where[0]), where[1])
+    return getattr(importlib.import_module(where[0]), where[1])
 
 
 __all__ = [
