@@ -18,7 +18,7 @@ import structlog
 from lorad.server import intents
 from lorad.server.errors import FailedPrecondition, LoradError, Unavailable
 from lorad.server.jobs.files import remove_tree, tree_size
-from lorad.server.records import ACTIVE_STATES, AdapterRec, Job, JobState
+from lorad.server.records import ACTIVE_STATES, Job, JobState
 from lorad.server.services import Services
 from lorad.server.store.purge import Purger
 
@@ -115,26 +115,41 @@ def finish_forget(s: Services, app_id: str, remove_window: RemoveWindow | None =
     return ForgetResult(n, len(adapters), len(more), freed)
 
 
-def dependents(s: Services, app_id: str, dataset_id: str) -> tuple[list[Job], list[str]]:
-    """The app's unfinished jobs and its schedules that read ``dataset_id``."""
-    jobs = [j for j in s.jobs.list_page(app_id, ACTIVE_STATES, 1000, "")[0] if dataset_id in j.spec.dataset_ids]
-    scheds = [x.schedule_id for x in s.schedules.for_app(app_id) if dataset_id in x.spec.dataset_ids]
-    return jobs, scheds
+@dataclass(frozen=True)
+class Lineage:
+    """What learned from a dataset: ``jobs`` read it, or started from one of ``adapter_ids`` (``init_adapter_id``);
+    ``adapter_ids`` are the adapters those jobs trained."""
+
+    jobs: list[Job]
+    adapter_ids: frozenset[str]
 
 
-def derived_adapters(s: Services, app_id: str, dataset_id: str) -> list[AdapterRec]:
-    """The app's adapters that learned from ``dataset_id``: trained by a job that read it, or by a job that started
-    from such an adapter (``init_adapter_id``), and so on down the line."""
+def lineage(s: Services, app_id: str, dataset_id: str, *, through_adapters: bool) -> Lineage:
+    """The app's jobs that read ``dataset_id``, and with ``through_adapters`` also every job down the
+    ``init_adapter_id`` line from their adapters, and so on. Found from job rows alone (a job row names the adapter it
+    trained), so a deletion interrupted after some adapter rows went finds the same line again."""
     jobs = s.jobs.of_app(app_id)
-    adapters = s.adapters.all_for_app(app_id)
     learned = {j.job_id for j in jobs if dataset_id in j.spec.dataset_ids}
-    out: dict[str, AdapterRec] = {}
-    while True:
-        found = {a.adapter_id: a for a in adapters if a.job_id in learned and a.adapter_id not in out}
+    adapter_ids: set[str] = set()
+    while through_adapters:
+        found = {j.adapter_id for j in jobs if j.job_id in learned and j.adapter_id} - adapter_ids
         if not found:
-            return list(out.values())
-        out.update(found)
+            break
+        adapter_ids |= found
         learned |= {j.job_id for j in jobs if j.spec.init_adapter_id in found}
+    return Lineage([j for j in jobs if j.job_id in learned], frozenset(adapter_ids))
+
+
+def dependents(s: Services, app_id: str, line: Lineage, dataset_id: str) -> tuple[list[Job], list[str]]:
+    """The unfinished jobs of ``line`` and the app's schedules that read ``dataset_id`` or start from one of its
+    adapters: what deleting the dataset (and the line's adapters) cancels."""
+    jobs = [j for j in line.jobs if j.state in ACTIVE_STATES]
+    scheds = [
+        x.schedule_id
+        for x in s.schedules.for_app(app_id)
+        if dataset_id in x.spec.dataset_ids or x.spec.init_adapter_id in line.adapter_ids
+    ]
+    return jobs, scheds
 
 
 def delete_dataset(
@@ -146,16 +161,17 @@ def delete_dataset(
     remove_window: RemoveWindow | None = None,
     delete_adapters: bool = False,
 ) -> DatasetDeleted:
-    """Deletes a dataset, its samples and the checkpoints of every job that read it, and with ``delete_adapters``
-    every adapter that learned from it (``derived_adapters``); without it those adapters stay (they are the app's
-    product; DeleteAdapter or ForgetApp removes them).
+    """Deletes a dataset, its samples and the checkpoints of every job that read it. With ``delete_adapters`` it
+    deletes every adapter that learned from it too (``lineage``), and treats the jobs and schedules that start from
+    those adapters like readers of the data: their checkpoints go, unfinished ones are cancelled. Without it those
+    adapters stay (they are the app's product; DeleteAdapter or ForgetApp removes them).
 
     Raises:
         NotFound: absent or another app's dataset.
-        FailedPrecondition: an unfinished job or a schedule reads it and ``cancel_dependents`` is false.
+        FailedPrecondition: an unfinished job or a schedule depends on it and ``cancel_dependents`` is false.
     """
     s.samples.get_dataset(app_id, dataset_id)
-    jobs, scheds = dependents(s, app_id, dataset_id)
+    jobs, scheds = dependents(s, app_id, lineage(s, app_id, dataset_id, through_adapters=delete_adapters), dataset_id)
     if (jobs or scheds) and not cancel_dependents:
         names = [f"job {j.job_id} ({j.state.name})" for j in jobs] + [f"schedule {x}" for x in scheds]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -179,18 +195,22 @@ def finish_delete_dataset(
     delete_adapters: bool = False,
 ) -> DatasetDeleted:
     """The body of DeleteDataset (also run at start for an interrupted one); idempotent."""
-    readers = s.jobs.for_dataset(app_id, dataset_id)
+    line = lineage(s, app_id, dataset_id, through_adapters=delete_adapters)
+    readers = line.jobs
     ids = [j.job_id for j in readers]
     _stop(s, app_id, ids)
     try:
-        # Found before any row goes: the job rows stay, so an interrupted run finds the same line again.
-        adapters = derived_adapters(s, app_id, dataset_id) if delete_adapters else []
+        _, scheds = dependents(s, app_id, line, dataset_id)
+        adapters = sorted(a.adapter_id for a in s.adapters.all_for_app(app_id) if a.adapter_id in line.adapter_ids)
         p = _purger(s)
         for a in adapters:  # files first (they free the space), then the row
-            remove_tree(s.layout.adapter_dir(app_id, a.adapter_id))
-            p.execute("DELETE FROM adapters WHERE adapter_id=?", (a.adapter_id,))
+            remove_tree(s.layout.adapter_dir(app_id, a))
+            p.execute("DELETE FROM adapters WHERE adapter_id=?", (a,))
         for j in readers:
             remove_tree(s.layout.job_dir(app_id, j.job_id))  # checkpoints and plans trained on the data
+            why = f"dataset {dataset_id} deleted"
+            if dataset_id not in j.spec.dataset_ids:
+                why += f" (the job starts from adapter {j.spec.init_adapter_id}, which learned from it)"
             if j.state in ACTIVE_STATES:
                 with contextlib.suppress(LoradError):
                     p.write(
@@ -199,11 +219,10 @@ def finish_delete_dataset(
                             j.job_id,
                             ACTIVE_STATES,
                             JobState.CANCELLED,
-                            message=f"cancelled: dataset {dataset_id} deleted",
+                            message=f"cancelled: {why}",
                         )
                     )
             p.execute("DELETE FROM checkpoints WHERE job_id=?", (j.job_id,))
-        _, scheds = dependents(s, app_id, dataset_id)
         _remove_windows(remove_window, [f"schedule:{x}" for x in scheds] + [f"window:{j}" for j in ids])
         for x in scheds:
             p.execute("DELETE FROM schedules WHERE schedule_id=?", (x,))
@@ -213,7 +232,7 @@ def finish_delete_dataset(
     finally:
         s.runner.release(app_id, ids)
     for hook in s.on_adapters_deleted:
-        hook([a.adapter_id for a in adapters])
+        hook(adapters)
     s.hub.notify()
     log.info("dataset_deleted", samples=n, jobs=len(ids), schedules=len(scheds), adapters=len(adapters))
     return DatasetDeleted(n, len(adapters))

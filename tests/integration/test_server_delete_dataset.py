@@ -1,17 +1,20 @@
-"""DeleteDataset with delete_adapters: the adapters that learned from the data go, down the init_adapter line; the
-others stay; an interrupted deletion finishes at the next start."""
+"""DeleteDataset with delete_adapters: the adapters that learned from the data go, down the init_adapter line, and
+so do the checkpoints of the jobs and the schedules that start from them; the others stay; an interrupted deletion
+finishes at the next start."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from lorad.server import intents
 from lorad.server.forget import DATASET_AND_ADAPTERS, resume_pending
-from lorad.v1 import adapters_pb2, data_pb2, inference_pb2, jobs_pb2
-from tests.integration.helpers import FINAL, append, create_job, wait_state
+from lorad.server.jobs.files import remove_tree
+from lorad.v1 import adapters_pb2, common_pb2, data_pb2, inference_pb2, jobs_pb2
+from tests.integration.helpers import FINAL, GOOD_PROBE, append, code_of, create_job, tiny_config, wait_state
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +60,46 @@ def test_deleting_a_dataset_with_its_adapters(make_daemon: Any) -> None:
     assert set(held) == set()
 
 
+def test_jobs_and_schedules_that_start_from_a_deleted_adapter_are_dependents(make_daemon: Any) -> None:
+    d = make_daemon()
+    app, _ = d.register("notes-app")
+    for ds in ("diary", "mail"):
+        append(app, ds)
+    learned = _train(app, "r1", "diary")
+    d.set_probe({**GOOD_PROBE, "charging": False, "battery_percent": 20})  # the next job waits
+    on_top = create_job(app, "r2", ("mail",), steps=2, init_adapter_id=learned)
+    assert wait_state(app, on_top.job_id, {jobs_pb2.JOB_STATE_WAITING}).state == jobs_pb2.JOB_STATE_WAITING
+    win = common_pb2.TrainingWindow(cron="30 2 * * *")
+    sched = app.jobs.CreateSchedule(jobs_pb2.CreateScheduleRequest(
+        dataset_ids=["mail"], window=win, config=tiny_config(steps=2, init_adapter_id=learned)), metadata=app.md
+    ).schedule  # fmt: skip
+    s = d.daemon.services
+    work = s.layout.job_dir("notes-app", on_top.job_id)
+    work.mkdir(parents=True, exist_ok=True)  # what a paused job keeps: its checkpoints of the adapter's weights
+    (work / "checkpoint").write_bytes(b"x")
+
+    req = data_pb2.DeleteDatasetRequest(dataset_id="diary", delete_adapters=True)
+    code, msg, _ = code_of(lambda: app.data.DeleteDataset(req, metadata=app.md))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert on_top.job_id in msg and sched.schedule_id in msg, msg
+    assert _adapters(app) == {learned} and work.is_dir(), "a refused deletion deletes nothing"
+
+    plain = data_pb2.DeleteDatasetRequest(dataset_id="mail", cancel_dependents=False)
+    assert code_of(lambda: app.data.DeleteDataset(plain, metadata=app.md))[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+    req.cancel_dependents = True
+    r = app.data.DeleteDataset(req, metadata=app.md)
+    assert r.deleted_adapters == 1 and _adapters(app) == set()
+    job = app.jobs.GetJob(jobs_pb2.GetJobRequest(job_id=on_top.job_id), metadata=app.md).job
+    assert job.state == jobs_pb2.JOB_STATE_CANCELLED
+    events = app.jobs.ListJobEvents(jobs_pb2.ListJobEventsRequest(job_id=on_top.job_id), metadata=app.md).events
+    assert learned in events[-1].message and "diary" in events[-1].message, events[-1].message
+    assert not work.exists(), "the checkpoints of a job that started from the adapter are gone"
+    assert list(app.jobs.ListSchedules(jobs_pb2.ListSchedulesRequest(), metadata=app.md).schedules) == []
+    datasets = app.data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=app.md).datasets
+    assert [x.dataset_id for x in datasets] == ["mail"], "the other dataset the job read stays"
+
+
 def _generated_with(app: Any, d: Any, *adapter_ids: str) -> dict[str, Any]:
     """Runs a short Generate with each adapter; returns the daemon's in-memory adapter weights (by adapter id)."""
     for a in adapter_ids:
@@ -71,12 +114,17 @@ def test_an_interrupted_deletion_with_adapters_finishes_at_start(make_daemon: An
     d = make_daemon()
     app, _ = d.register("notes-app")
     append(app, "diary")
+    append(app, "mail")
     learned = _train(app, "r1", "diary")
+    on_top = _train(app, "r2", "mail", init=learned)
     s = d.daemon.services
-    # What a kill -9 after the intent was recorded leaves: the marker, and everything still in place.
+    # What a kill -9 after the intent was recorded and the first adapter went leaves: the marker, and the rest.
     intents.record(s.layout.data_dir, DATASET_AND_ADAPTERS, "notes-app", "diary")
+    remove_tree(s.layout.adapter_dir("notes-app", learned))
+    s.adapters.delete("notes-app", learned)
     assert resume_pending(s) == 1
-    assert _adapters(app) == set() and not s.layout.adapter_dir("notes-app", learned).exists()
+    assert _adapters(app) == set(), "the line is found from the job rows, not from the adapters still there"
+    assert not s.layout.adapter_dir("notes-app", on_top).exists()
     datasets = app.data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=app.md).datasets
-    assert [x.dataset_id for x in datasets] == []
+    assert [x.dataset_id for x in datasets] == ["mail"]
     assert intents.pending(s.layout.data_dir) == []

@@ -334,7 +334,9 @@ class DeleteDatasetRequest(_message.Message):
     """Also cancel the unfinished jobs and delete the schedules that read it (otherwise they make it FAILED_PRECONDITION)."""
     delete_adapters: _builtins.bool
     """Also delete every adapter that learned from it: those trained by a job that read it, and those trained on from
-    such an adapter (init_adapter_id), with their cached exports. Without this the adapters stay.
+    such an adapter (init_adapter_id), with their cached exports. The jobs and schedules that start from one of these
+    adapters then count as readers of the dataset: their checkpoints go, and unfinished ones are dependents
+    (cancel_dependents). Without this the adapters stay.
     """
     def __init__(
         self,
