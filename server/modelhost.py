@@ -119,9 +119,10 @@ class ModelHost:
 
         Never waits: the first call per model starts reading it on a background thread (a GGUF is converted into the
         cache once, 16 s on a 2-core AVX2-only EPYC plus torch's import, past the 15 s attempt deadline of a
-        client waiting for the daemon) and says so until it is done; later calls are a dict lookup. A model that
-        cannot be read gets the error, and a call FACTS_RETRY_S after the failure tries again (a client polling
-        status every second must not keep re-reading a broken model while a job trains).
+        client waiting for the daemon) and says so until it is done; later calls are a dict lookup. A model already
+        in the cache is read from its manifest and safetensors headers, without torch, so an idle daemon stays
+        small. A model that cannot be read gets the error, and a call FACTS_RETRY_S after the failure tries again (a
+        client polling status every second must not keep re-reading a broken model while a job trains).
         """
         e = self.entry(name)
         with self._facts_lock:
@@ -134,12 +135,15 @@ class ModelHost:
             return known.detail if known is not None else READING
 
     def _read_facts(self, e: ModelEntry) -> None:
-        with ENGINE_IMPORTS:
-            from lorad.server.engine.api import read_config, read_weights, resolve
+        from lorad.server.engine.api import cached_checkpoint, read_config, read_weights  # none of them needs torch
 
         got: ModelFacts | _Unknown
         try:
-            ck = resolve(e.source, self.cache_root)
+            ck = cached_checkpoint(e.source, self.cache_root)
+            if ck is None:  # first use of this source: convert or hash it once (the engine, and so torch)
+                with ENGINE_IMPORTS:
+                    from lorad.server.engine.api import resolve
+                ck = resolve(e.source, self.cache_root)
             got = ModelFacts(read_config(ck.path).arch, read_weights(ck.path).parameter_count(), ck.model_hash)
         except Exception as exc:  # a missing or broken model must not break status, nor stay "reading" for ever
             log.warning("model_facts_unavailable", model=e.name, error=type(exc).__name__)

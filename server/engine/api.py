@@ -4,7 +4,8 @@ Verbs (each re-exports the engine function that does it; nothing here changes wh
 
 - load: ``resolve(source, cache_root)`` (a GGUF converted once into the cache, an HF folder hashed once) and
   ``load_model(source, cache_root=, backend=, precision=, lora=) -> LoadedModel`` (model, tokenizer, hashes);
-  ``read_config`` / ``read_weights`` read a resolved folder without building a model.
+  ``read_config`` / ``read_weights`` read a resolved folder without building a model; ``cached_checkpoint`` is
+  ``resolve`` for a source already converted or hashed (None otherwise), and like the two readers needs no torch.
 - plan: ``resolve_backend``, ``resolve_precision``, ``plans_here``, ``known_plan``, ``plan_job`` -> ``JobPlan``.
 - train: ``run_recipe(cfg, samples, ..., on_progress=, on_phase=, on_loaded=, should_pause=) -> RecipeResult``
   (eval losses before/after, steps, the saved adapter and its metadata); ``prepare`` turns samples into batches
@@ -40,19 +41,15 @@ if TYPE_CHECKING:
     )
     from lorad.server.engine.models.atomic import atomic_write
     from lorad.server.engine.models.build import build_model
+    from lorad.server.engine.models.cache import cached_checkpoint
     from lorad.server.engine.models.config import LoraConfig, ModelConfig
     from lorad.server.engine.models.generate import SamplingConfig, Token, generate
     from lorad.server.engine.models.heap import malloc_in_use
     from lorad.server.engine.models.hf_folder import read_config, read_weights
     from lorad.server.engine.models.kv_cache import KVCache
-    from lorad.server.engine.models.loader import (
-        LoadedModel,
-        default_model_path,
-        load_model,
-        portable_base_name,
-        resolve,
-    )
+    from lorad.server.engine.models.loader import LoadedModel, load_model, resolve
     from lorad.server.engine.models.model import AdapterWeights, CausalLM, Linear
+    from lorad.server.engine.models.sources import default_model_path, portable_base_name
     from lorad.server.engine.models.tokenizer import ChatTokenizer
     from lorad.server.engine.prepare.cli import prepare_main
     from lorad.server.engine.prepare.load import Bundle, load_bundle, open_frozen_linears
@@ -101,14 +98,15 @@ _LAZY: dict[str, tuple[str, str]] = {
     "export_merged": (_E + "adapters.merge", "export_merged"),
     "atomic_write": (_E + "models.atomic", "atomic_write"),
     "build_model": (_E + "models.build", "build_model"),
+    "cached_checkpoint": (_E + "models.cache", "cached_checkpoint"),
     **{n: (_E + "models.config", n) for n in ("LoraConfig", "ModelConfig")},
     **{n: (_E + "models.generate", n) for n in ("SamplingConfig", "Token", "generate")},
     "malloc_in_use": (_E + "models.heap", "malloc_in_use"),
     **{n: (_E + "models.hf_folder", n) for n in ("read_config", "read_weights")},
     "KVCache": (_E + "models.kv_cache", "KVCache"),
-    **{n: (_E + "models.loader", n) for n in ("LoadedModel", "default_model_path", "load_model",
-                                              "portable_base_name", "resolve")},
+    **{n: (_E + "models.loader", n) for n in ("LoadedModel", "load_model", "resolve")},
     **{n: (_E + "models.model", n) for n in ("AdapterWeights", "CausalLM", "Linear")},
+    **{n: (_E + "models.sources", n) for n in ("default_model_path", "portable_base_name")},
     "ChatTokenizer": (_E + "models.tokenizer", "ChatTokenizer"),
     "prepare_main": (_E + "prepare.cli", "prepare_main"),
     **{n: (_E + "prepare.load", n) for n in ("Bundle", "load_bundle", "open_frozen_linears")},
@@ -189,6 +187,7 @@ __all__ = [
     "apply_adapter",
     "atomic_write",
     "build_model",
+    "cached_checkpoint",
     "capture_rng",
     "checkpoint_dir",
     "default_model_path",

@@ -8,14 +8,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
-import torch
-from safetensors.torch import save_file
-from torch import Tensor
 
 from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
 from lorad.server.engine.models.config import ModelConfig
+from lorad.server.engine.models.hf_folder import is_hf_folder
+from lorad.server.engine.models.sources import source_path
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +38,8 @@ class CheckpointDir:
 
 def weights_hash(weights: Mapping[str, Tensor]) -> str:
     """sha256 over tensor names, dtypes, shapes and bytes in name order (independent of file layout)."""
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(weights):
         t = weights[name].detach().contiguous()
@@ -60,6 +65,52 @@ def read_manifest(path: Path) -> dict[str, str] | None:
     return data if data.get("format") == CACHE_FORMAT else None
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Where the cache keeps what it knows about one source, by its ``source_key``."""
+
+    folder: Path  # a GGUF's converted HF folder
+    hashes: Path  # a plain HF folder's recorded hashes
+    lock: Path  # held while the source is converted or hashed
+
+
+def slots(path: Path, cache_root: Path) -> Slots:
+    """The cache paths of the source file or folder at `path`."""
+    key = source_key(path)
+    return Slots(
+        cache_root / "models" / key, cache_root / "hashes" / f"{key}.json", cache_root / "locks" / f"{key}.lock"
+    )
+
+
+def cached(path: Path, at: Slots) -> CheckpointDir | None:
+    """The source at `path` as a ready folder with its hashes, if they are known: a GGUF's complete conversion, an HF
+    folder's own manifest or recorded hashes; None while it still has to be converted or hashed. Reads two small files
+    at most (no weights, no torch)."""
+    if path.is_file() and path.suffix == ".gguf":
+        m = read_manifest(at.folder)
+        return None if m is None else CheckpointDir(at.folder, m["model_hash"], m["tokenizer_hash"], m["source"])
+    if not is_hf_folder(path):
+        return None
+    m = read_manifest(path)
+    if m is not None:
+        return CheckpointDir(path, m["model_hash"], m["tokenizer_hash"], m["source"])
+    if not at.hashes.is_file():
+        return None
+    h = json.loads(at.hashes.read_text())
+    return CheckpointDir(path, h["model_hash"], h["tokenizer_hash"], str(path))
+
+
+def cached_checkpoint(source: str | Path | None, cache_root: Path) -> CheckpointDir | None:
+    """``cached`` for a model source (None = the bundled GGUF): what ``resolve`` returns without converting or
+    hashing, or None if it would have to.
+
+    Raises:
+        FileNotFoundError: the source does not exist.
+    """
+    path = source_path(source)
+    return cached(path, slots(path, cache_root))
+
+
 def write_checkpoint(
     out: Path,
     cfg: ModelConfig,
@@ -77,6 +128,8 @@ def write_checkpoint(
     Returns:
         The written checkpoint.
     """
+    from safetensors.torch import save_file
+
     t0 = time.perf_counter()
     tmp = make_temp_dir(out)
     mhash = weights_hash(weights)

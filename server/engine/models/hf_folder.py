@@ -1,18 +1,24 @@
-"""Reads a Hugging Face checkpoint folder: config.json + *.safetensors (+ tokenizer files)."""
+"""Reads a Hugging Face checkpoint folder: config.json + *.safetensors (+ tokenizer files).
+
+Imports torch only when a tensor is read: the config and the safetensors headers (a parameter count) need none.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from lorad.server.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -30,21 +36,27 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("adapter_"))
 
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype names -> torch dtypes; torch is imported on the first tensor read (a header read, as status's
+    parameter count, needs no torch)."""
+    import torch
+
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
 
 
-class SafetensorsWeights(Mapping[str, Tensor]):
+class SafetensorsWeights(Mapping[str, "Tensor"]):
     """Tensors of safetensors shards, each read from disk on access (pread, no mmap).
 
     Every access returns a fresh tensor the caller owns, so building a model that converts/copies each weight
@@ -66,9 +78,11 @@ class SafetensorsWeights(Mapping[str, Tensor]):
                     self._index[k] = (f, v["dtype"], tuple(v["shape"]), 8 + n + s, 8 + n + e)
 
     def __getitem__(self, key: str) -> Tensor:
+        import torch
+
         f, dtype, shape, start, end = self._index[key]
         if end == start:
-            return torch.empty(shape, dtype=_DTYPES[dtype])
+            return torch.empty(shape, dtype=_dtypes()[dtype])
         buf = bytearray(end - start)
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -80,11 +94,11 @@ class SafetensorsWeights(Mapping[str, Tensor]):
                 got += k
         finally:
             os.close(fd)
-        return torch.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
+        return torch.frombuffer(buf, dtype=_dtypes()[dtype]).reshape(shape)
 
     def stored_dtype(self, key: str) -> torch.dtype:
         """The dtype ``key`` is stored in (header only)."""
-        return _DTYPES[self._index[key][1]]
+        return _dtypes()[self._index[key][1]]
 
     def parameter_count(self) -> int:
         """Elements of all stored tensors, from the headers alone (frozen weights included, nothing read)."""

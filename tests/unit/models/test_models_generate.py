@@ -122,7 +122,7 @@ def test_greedy_decoding_does_not_loop_on_one_token_with_a_penalty(lm) -> None:
 def test_real_smollm2_convert_load_generate(tmp_path: Path) -> None:
     import time
 
-    from lorad.server.engine.models.loader import default_model_path
+    from lorad.server.engine.models.sources import default_model_path
 
     t0 = time.perf_counter()
     first = load_model(default_model_path(), cache_root=tmp_path)

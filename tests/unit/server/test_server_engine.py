@@ -190,7 +190,7 @@ def test_exported_peft_config_names_a_portable_base_and_metadata_keeps_the_conte
 ) -> None:
     import json
 
-    from lorad.server.engine.models.loader import DEFAULT_HF_ID, portable_base_name
+    from lorad.server.engine.models.sources import DEFAULT_HF_ID, portable_base_name
 
     _, art = _run(tiny, tmp_path / "a", None, steps=1)
     cfg = json.loads((art.path / "adapter_config.json").read_text())
