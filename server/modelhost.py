@@ -20,17 +20,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 DEFAULT_NAME = "smollm2-135m-instruct"
-# The engine is imported lazily (lorad serve starts without torch). Two threads importing it at once (a job
-# starting while a Generate loads its base) hit a partially initialised module; every lazy import holds this.
-ENGINE_IMPORTS = threading.RLock()
 
 
 def import_engine() -> None:
-    """Imports the engine's training and generation modules once, under ENGINE_IMPORTS."""
-    with ENGINE_IMPORTS:
-        from lorad.server.engine.api import warm_up
+    """Imports the engine's training and generation modules once. The engine is imported lazily (lorad serve starts
+    without torch), always through ``lorad.server.engine.api``, whose one import lock keeps two threads (a job
+    starting while a Generate loads its base) from meeting a partially initialised module."""
+    from lorad.server.engine.api import warm_up
 
-        warm_up()
+    warm_up()
 
 
 @dataclass(frozen=True)
@@ -141,8 +139,8 @@ class ModelHost:
         try:
             ck = cached_checkpoint(e.source, self.cache_root)
             if ck is None:  # first use of this source: convert or hash it once (the engine, and so torch)
-                with ENGINE_IMPORTS:
-                    from lorad.server.engine.api import resolve
+                from lorad.server.engine.api import resolve
+
                 ck = resolve(e.source, self.cache_root)
             got = ModelFacts(read_config(ck.path).arch, read_weights(ck.path).parameter_count(), ck.model_hash)
         except Exception as exc:  # a missing or broken model must not break status, nor stay "reading" for ever

@@ -127,7 +127,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{n: (_E + "training.trainer", n) for n in ("Progress", "Trainer")},
 }  # fmt: skip
 # Two threads importing the engine at once (a job starting while a Generate loads its base) would meet a partially
-# initialised module; every first-use import here holds this.
+# initialised module; every first-use import here holds this, and the daemon imports the engine only through here.
 _IMPORTS = threading.RLock()
 
 
