@@ -152,16 +152,28 @@ def reap_orphans(c: lc.Client, keep_request: str) -> int:
 
     A round cleans up after itself when it ends; a SuperNode killed mid-round never got there, and its job would
     train on for nobody while its adapters held the app's quota. `lorad federate join` runs one SuperNode per app on
-    a device, so every round job of the app is this node's; ``keep_request`` is the round now running.
+    a device, so every round job of the app is this node's; ``keep_request`` is the round now running. A round job
+    is one named ``fed-<run>-<round>`` that starts from an imported adapter (the round's global one; no job trained
+    it) or from one already gone: an app's own job that happens to have such a name but trains from scratch or on
+    from its own adapter is not touched, nor are its adapters.
     """
-    rounds = [j for j in c.list_jobs() if ROUND_REQUEST.fullmatch(j.request_id) and j.request_id != keep_request]
+    adapters = c.list_adapters()
+    trained_here = {a.adapter_id for a in adapters if a.job_id}
+    rounds = [
+        j
+        for j in c.list_jobs()
+        if ROUND_REQUEST.fullmatch(j.request_id)
+        and j.request_id != keep_request
+        and j.config.init_adapter_id
+        and j.config.init_adapter_id not in trained_here
+    ]
     cancelled = 0
     for j in rounds:
         if not j.is_final:
             c.cancel_job(j)
             cancelled += 1
     theirs = {j.config.init_adapter_id for j in rounds} | {j.adapter_id for j in rounds}
-    for a in c.list_adapters():
+    for a in adapters:
         if a.adapter_id in theirs:
             try:
                 c.delete_adapter(a.adapter_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import tarfile
 from pathlib import Path
@@ -167,18 +168,25 @@ def test_a_round_reaps_what_a_killed_round_left(make_daemon: Any, tiny_llama: Pa
             return c.get_job(job)
 
         own = done(c.create_job(["notes"], cfg, request_id="fed-notes"))  # the app's own, not a round's
-        imported = c.import_adapter(peft_tar(fed, tensors), base_hash)
-        round_cfg = lc.TrainingConfig(init_adapter_id=imported.adapter_id, max_steps=2, seq_len=64, eval_fraction=0.3,
-                                      batch_size=2)  # fmt: skip
-        finished = done(c.create_job(["notes"], round_cfg, request_id="fed-7-1"))  # killed before it cleaned up
+        # The app's own jobs that merely look like rounds: from scratch, and on from its own adapter.
+        lookalike = done(c.create_job(["notes"], cfg, request_id="fed-1-1"))
+        on_own = done(c.create_job(["notes"], dataclasses.replace(cfg, init_adapter_id=own.adapter_id),
+                                   request_id="fed-1-2"))  # fmt: skip
+
+        def round_cfg() -> lc.TrainingConfig:  # a round starts from the global adapter it imported
+            imported = c.import_adapter(peft_tar(fed, tensors), base_hash)
+            return dataclasses.replace(cfg, init_adapter_id=imported.adapter_id)
+
+        finished = done(c.create_job(["notes"], round_cfg(), request_id="fed-7-1"))  # killed before it cleaned up
         assert finished.state == lc.JobState.SUCCEEDED and finished.adapter_id
         d.set_probe({**GOOD_PROBE, "charging": False})  # the next orphan waits for the charger
-        stuck = c.create_job(["notes"], cfg, request_id="fed-7-2")
-        current = c.create_job(["notes"], cfg, request_id="fed-8-1")  # the round now running is kept
+        stuck = c.create_job(["notes"], round_cfg(), request_id="fed-7-2")
+        current = c.create_job(["notes"], round_cfg(), request_id="fed-8-1")  # the round now running is kept
+        kept = {own.adapter_id, lookalike.adapter_id, on_own.adapter_id, current.config.init_adapter_id}
 
         assert reap_orphans(c, "fed-8-1") == 1
         assert c.get_job(stuck).state == lc.JobState.CANCELLED
         assert not c.get_job(current).is_final
-        assert {a.adapter_id for a in c.list_adapters()} == {own.adapter_id}
+        assert {a.adapter_id for a in c.list_adapters()} == kept
         assert reap_orphans(c, "fed-8-1") == 0  # nothing left to reap
         c.cancel_job(current)
