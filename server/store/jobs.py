@@ -320,7 +320,3 @@ class JobRepo:
         with self.db.read() as c:
             rows = c.execute("SELECT * FROM jobs WHERE app_id=? ORDER BY seq", (app_id,)).fetchall()
         return list(map(_job, rows))
-
-    def for_dataset(self, app_id: str, dataset_id: str) -> list[Job]:
-        """Every job of the app (any state) that reads ``dataset_id``."""
-        return [j for j in self.of_app(app_id) if dataset_id in j.spec.dataset_ids]
