@@ -11,7 +11,8 @@ from pathlib import Path
 
 import structlog
 
-from lorad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from lorad.server.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
+from lorad.server.gate import Write
 from lorad.server.jobs.files import remove_tree, tree_size
 from lorad.server.records import AdapterRec
 from lorad.server.services import Services
@@ -123,6 +124,7 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
         ResourceExhausted: the app's adapter quota is full.
         FailedPrecondition: the adapter's base model hash differs from the header's or the daemon's model.
         InvalidArgument: not a PEFT adapter lorad can load.
+        Aborted: the app is being forgotten, or was during the upload.
     """
     from lorad.server.engine.api import AdapterMetadata, load_adapter, portable_base_name, resolve
 
@@ -137,58 +139,61 @@ def store_import(s: Services, app_id: str, up: Upload) -> AdapterRec:
             f"adapter is for base model {h.base_model_sha256[:16]}… but {entry.name} is "
             f"{ck.model_hash[:16]}…; import it on a device with that base"
         )
-    adapter_id = new_id("adp")
-    folder = s.layout.adapter_dir(app_id, adapter_id)
-    peft = folder / "peft"
-    try:
-        _extract(up.path, peft)
+    with s.gate.writing(app_id, Write.ADAPTER):  # files and row, never half-way through a ForgetApp
+        if not up.path.exists():  # a ForgetApp that ran during the upload removed it with the app's files
+            raise Aborted(f"app {app_id!r} was forgotten while the adapter was uploading; send it again")
+        adapter_id = new_id("adp")
+        folder = s.layout.adapter_dir(app_id, adapter_id)
+        peft = folder / "peft"
         try:
-            adapter = load_adapter(peft)
-        except (ValueError, KeyError, OSError) as exc:
-            raise InvalidArgument("chunk", f"not a loadable PEFT LoRA adapter: {str(exc)[:200]}") from None
-        m = adapter.metadata
-        if m is not None and m.base_model_hash != ck.model_hash:
-            raise FailedPrecondition(
-                f"lorad_metadata.json names base {m.base_model_hash[:16]}…, not {ck.model_hash[:16]}…"
+            _extract(up.path, peft)
+            try:
+                adapter = load_adapter(peft)
+            except (ValueError, KeyError, OSError) as exc:
+                raise InvalidArgument("chunk", f"not a loadable PEFT LoRA adapter: {str(exc)[:200]}") from None
+            m = adapter.metadata
+            if m is not None and m.base_model_hash != ck.model_hash:
+                raise FailedPrecondition(
+                    f"lorad_metadata.json names base {m.base_model_hash[:16]}…, not {ck.model_hash[:16]}…"
+                )
+            lora = adapter.lora
+            meta = AdapterMetadata(
+                base_model_hash=ck.model_hash,
+                tokenizer_hash=ck.tokenizer_hash,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                targets=tuple(lora.targets),
+                backend="imported",
+                base_model_source=portable_base_name(entry.source),
             )
-        lora = adapter.lora
-        meta = AdapterMetadata(
-            base_model_hash=ck.model_hash,
-            tokenizer_hash=ck.tokenizer_hash,
-            rank=lora.rank,
-            alpha=lora.alpha,
-            targets=tuple(lora.targets),
-            backend="imported",
-            base_model_source=portable_base_name(entry.source),
-        )
-        from lorad.server.engine.api import METADATA_FILE
+            from lorad.server.engine.api import METADATA_FILE
 
-        (peft / METADATA_FILE).write_text(json.dumps(meta.to_json(), indent=2))
-        rec = AdapterRec(
-            adapter_id=adapter_id,
-            app_id=app_id,
-            job_id="",
-            base_model=entry.name,
-            base_model_sha256=ck.model_hash,
-            tokenizer_sha256=ck.tokenizer_hash,
-            rank=lora.rank,
-            alpha=lora.alpha,
-            dropout=lora.dropout,
-            target_modules=tuple(lora.targets),
-            steps=0,
-            eval_loss_before=float("nan"),
-            eval_loss_after=float("nan"),
-            train_loss=float("nan"),
-            precision_plan=(),
-            data_until_ms=0,
-            sample_count=0,
-            created_at_ms=now_ms(),
-            size_bytes=tree_size(peft),
-            path=str(peft),
-        )
-        s.adapters.add(rec)
-    except BaseException:
-        remove_tree(folder)
-        raise
+            (peft / METADATA_FILE).write_text(json.dumps(meta.to_json(), indent=2))
+            rec = AdapterRec(
+                adapter_id=adapter_id,
+                app_id=app_id,
+                job_id="",
+                base_model=entry.name,
+                base_model_sha256=ck.model_hash,
+                tokenizer_sha256=ck.tokenizer_hash,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                target_modules=tuple(lora.targets),
+                steps=0,
+                eval_loss_before=float("nan"),
+                eval_loss_after=float("nan"),
+                train_loss=float("nan"),
+                precision_plan=(),
+                data_until_ms=0,
+                sample_count=0,
+                created_at_ms=now_ms(),
+                size_bytes=tree_size(peft),
+                path=str(peft),
+            )
+            s.adapters.add(rec)
+        except BaseException:
+            remove_tree(folder)
+            raise
     log.info("adapter_imported", adapter_id=adapter_id, rank=lora.rank, size_bytes=rec.size_bytes)
     return rec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lorad.server.gate import DeletionGate, Write
 from lorad.server.records import AppendResult, Dataset, SampleBody, StoredSample
 from lorad.server.store.apps import AppRepo
 from lorad.server.store.samples import SampleRepo
@@ -12,12 +13,18 @@ from lorad.server.store.samples import SampleRepo
 class AppData:
     """An app's datasets; servicers call these instead of the store."""
 
-    def __init__(self, apps: AppRepo, samples: SampleRepo) -> None:
-        self._apps, self._samples = apps, samples
+    def __init__(self, apps: AppRepo, samples: SampleRepo, gate: DeletionGate) -> None:
+        self._apps, self._samples, self._gate = apps, samples, gate
 
     def append(self, app_id: str, dataset_id: str, bodies: Sequence[SampleBody]) -> AppendResult:
-        """Appends validated samples atomically, within the app's current quota."""
-        return self._samples.append(app_id, dataset_id, bodies, self._apps.get(app_id).quota)
+        """Appends validated samples atomically, within the app's current quota.
+
+        Raises:
+            ResourceExhausted: the quota would be exceeded.
+            Aborted: the dataset, or all the app's data, is being deleted.
+        """
+        with self._gate.writing(app_id, Write.SAMPLES, dataset_id):
+            return self._samples.append(app_id, dataset_id, bodies, self._apps.get(app_id).quota)
 
     def list_datasets(self, app_id: str, size: int, token: str) -> tuple[list[Dataset], str]:
         """One page of the app's datasets and the next page token."""

@@ -31,6 +31,10 @@ class FailedPrecondition(LoradError):
     """The operation is illegal in the resource's current state (the message names it)."""
 
 
+class Aborted(LoradError):
+    """A concurrent operation on the same data conflicts (e.g. a deletion of it is running); retry once it ends."""
+
+
 class ResourceExhausted(LoradError):
     """A quota or the disk is full."""
 

@@ -1,9 +1,10 @@
 """ForgetApp and DeleteDataset: stop the jobs on the data, delete every row and file derived from it, durably.
 
-Order, so a crash or a full disk never leaves derived data behind: (1) record the intent (a marker file, finished
-at the next start if we die), (2) bar the jobs from the NPU and wait for the worker thread to leave them (no
-checkpoint is written after), (3) delete files (frees space), (4) delete rows in small transactions, (5) clear
-the marker.
+Order, so a crash, a full disk or a concurrent call never leaves derived data behind: (0) register with the gate
+(the app's writes to the same data are refused until the end, ``gate.py``), (1) record the intent (a marker file,
+finished at the next start if we die), (2) bar the jobs from the NPU and wait for the worker thread to leave them (no
+checkpoint is written after; the line of jobs is read again once they are stopped), (3) delete files (frees space),
+(4) delete rows in small transactions, (5) clear the marker.
 """
 
 from __future__ import annotations
@@ -86,7 +87,13 @@ def forget_app(s: Services, app_id: str, remove_window: RemoveWindow | None = No
 
 
 def finish_forget(s: Services, app_id: str, remove_window: RemoveWindow | None = None) -> ForgetResult:
-    """The body of ForgetApp (also run at start for an interrupted one); idempotent."""
+    """The body of ForgetApp (also run at start for an interrupted one); idempotent. The app's writes are refused
+    while it runs (``gate``)."""
+    with s.gate.deleting(app_id):
+        return _forget(s, app_id, remove_window)
+
+
+def _forget(s: Services, app_id: str, remove_window: RemoveWindow | None) -> ForgetResult:
     _stop(s, app_id, None)
     try:
         more = s.jobs.all_ids(app_id)
@@ -171,16 +178,19 @@ def delete_dataset(
         FailedPrecondition: an unfinished job or a schedule depends on it and ``cancel_dependents`` is false.
     """
     s.samples.get_dataset(app_id, dataset_id)
-    jobs, scheds = dependents(s, app_id, lineage(s, app_id, dataset_id, through_adapters=delete_adapters), dataset_id)
-    if (jobs or scheds) and not cancel_dependents:
-        names = [f"job {j.job_id} ({j.state.name})" for j in jobs] + [f"schedule {x}" for x in scheds]
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise FailedPrecondition(
-            f"dataset {dataset_id!r} is used by {shown}; cancel the jobs and delete the schedules first, or pass "
-            "cancel_dependents=true (CLI: --cancel-dependents) to cancel them with the dataset"
-        )
-    marker = intents.record(s.layout.data_dir, DATASET_AND_ADAPTERS if delete_adapters else DATASET, app_id, dataset_id)
-    r = finish_delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
+    with s.gate.deleting(app_id, dataset_id):  # no job or schedule appears between this check and the deletion
+        line = lineage(s, app_id, dataset_id, through_adapters=delete_adapters)
+        jobs, scheds = dependents(s, app_id, line, dataset_id)
+        if (jobs or scheds) and not cancel_dependents:
+            names = [f"job {j.job_id} ({j.state.name})" for j in jobs] + [f"schedule {x}" for x in scheds]
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise FailedPrecondition(
+                f"dataset {dataset_id!r} is used by {shown}; cancel the jobs and delete the schedules first, or pass "
+                "cancel_dependents=true (CLI: --cancel-dependents) to cancel them with the dataset"
+            )
+        kind = DATASET_AND_ADAPTERS if delete_adapters else DATASET
+        marker = intents.record(s.layout.data_dir, kind, app_id, dataset_id)
+        r = _delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
     intents.clear(marker)
     s.reserve.ensure()
     return r
@@ -194,12 +204,34 @@ def finish_delete_dataset(
     *,
     delete_adapters: bool = False,
 ) -> DatasetDeleted:
-    """The body of DeleteDataset (also run at start for an interrupted one); idempotent."""
-    line = lineage(s, app_id, dataset_id, through_adapters=delete_adapters)
-    readers = line.jobs
-    ids = [j.job_id for j in readers]
-    _stop(s, app_id, ids)
+    """The body of DeleteDataset (also run at start for an interrupted one); idempotent. Appends to the dataset and
+    the app's new jobs and schedules are refused while it runs (``gate``)."""
+    with s.gate.deleting(app_id, dataset_id):
+        return _delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
+
+
+def _stopped_lineage(
+    s: Services, app_id: str, dataset_id: str, barred: list[str], *, through_adapters: bool
+) -> Lineage:
+    """The line once every job in it is off the worker thread (each one stopped is added to ``barred``). A reader that
+    finished between reading the line and stopping it trained an adapter the first read did not see, and jobs may
+    start from that one: read the line again until stopping finds nobody new; then nothing in it can finish."""
+    while True:
+        line = lineage(s, app_id, dataset_id, through_adapters=through_adapters)
+        new = [j.job_id for j in line.jobs if j.job_id not in barred]
+        if not new:
+            return line
+        _stop(s, app_id, new)
+        barred.extend(new)
+
+
+def _delete_dataset(
+    s: Services, app_id: str, dataset_id: str, remove_window: RemoveWindow | None, *, delete_adapters: bool
+) -> DatasetDeleted:
+    ids: list[str] = []  # the jobs barred from the worker thread, released at the end
     try:
+        line = _stopped_lineage(s, app_id, dataset_id, ids, through_adapters=delete_adapters)
+        readers = line.jobs
         _, scheds = dependents(s, app_id, line, dataset_id)
         adapters = sorted(a.adapter_id for a in s.adapters.all_for_app(app_id) if a.adapter_id in line.adapter_ids)
         p = _purger(s)

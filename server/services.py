@@ -19,6 +19,7 @@ from lorad.server.device.monitor import ConditionMonitor
 from lorad.server.device.probes import Probe, Readings, make_probe
 from lorad.server.device.profile import DeviceProfile, resolve_profile
 from lorad.server.device.wakelock import WakeLockHooks
+from lorad.server.gate import DeletionGate
 from lorad.server.intents import SpaceReserve
 from lorad.server.jobs import EventHub, JobManager, Layout, Runner, SessionFactory
 from lorad.server.modelhost import ModelHost
@@ -57,6 +58,7 @@ class Services:
     library: AdapterLibrary
     reserve: SpaceReserve
     backend: BackendDecision  # the one backend decision of this daemon (status, CreateJob, jobs, inference)
+    gate: DeletionGate  # deletions against the app's writes of the same data
     on_forget: list[Callable[[str], None]] = field(default_factory=list)  # per-app in-memory caches to drop
     # in-memory copies of deleted adapters to drop (DeleteAdapter, DeleteDataset with its adapters), by adapter id
     on_adapters_deleted: list[Callable[[Collection[str]], None]] = field(default_factory=list)
@@ -120,7 +122,8 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         on_running=wake.set_held,
         judge=lambda r, req: evaluate(r, req, profile),
     )
-    manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout)
+    gate = DeletionGate()
+    manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout, gate)
     owner = ensure_owner_token(data)
     return Services(
         cfg,
@@ -141,10 +144,11 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         wake,
         profile,
         AppRegistry(apps),
-        AppData(apps, samples),
+        AppData(apps, samples, gate),
         AdapterLibrary(adapters, layout, models, cfg.storage.export_cache_max_mb * 1024 * 1024),
         SpaceReserve(data),
         backend,
+        gate,
     )
 
 

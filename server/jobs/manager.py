@@ -7,6 +7,7 @@ from collections.abc import Collection
 import structlog
 
 from lorad.server.errors import FailedPrecondition, NotFound
+from lorad.server.gate import DeletionGate, Write
 from lorad.server.jobs.files import Layout, remove_tree
 from lorad.server.jobs.hub import EventHub
 from lorad.server.jobs.runner import Runner
@@ -31,38 +32,40 @@ class JobManager:
         runner: Runner,
         hub: EventHub,
         layout: Layout,
+        gate: DeletionGate,
     ) -> None:
         self.apps, self.jobs, self.samples, self.adapters = apps, jobs, samples, adapters
-        self.runner, self.hub, self.layout = runner, hub, layout
+        self.runner, self.hub, self.layout, self.gate = runner, hub, layout, gate
         self.on_window: list = []  # callbacks(job) registering a job's window with the scheduler
 
     def create(self, app_id: str, request_id: str, spec: JobSpec, schedule_id: str = "") -> Job:
         """Creates a job (or returns the one a retried request_id made).
 
         Raises:
-            NotFound: a dataset is absent or another app's.
+            NotFound: a dataset or the init adapter is absent or another app's.
             AlreadyExists: request_id reused with a different payload.
             ResourceExhausted: active-job or adapter quota.
+            Aborted: a deletion of one of the app's datasets, or of the app's data, is running.
         """
         retried = self.jobs.find_request(app_id, request_id, spec)  # a retry is answered before any check
         if retried is not None:
             return retried
-        have = self.samples.existing_datasets(app_id, spec.dataset_ids)
-        for d in spec.dataset_ids:
-            if d not in have:
-                raise NotFound("dataset", d)
-        quota = self.apps.get(app_id).quota
-        state, blocked = (JobState.QUEUED, Blocked.OUTSIDE_WINDOW) if spec.window else (JobState.WAITING, Blocked.NONE)
-        job, created = self.jobs.create(
-            app_id,
-            request_id,
-            spec,
-            state,
-            blocked,
-            quota.max_active_jobs,
-            schedule_id,
-            max_adapters=quota.max_adapters,
-        )
+        with self.gate.writing(app_id, Write.JOB):  # checked and stored with no deletion of the data in between
+            self.require_inputs(app_id, spec)
+            quota = self.apps.get(app_id).quota
+            state, blocked = (
+                (JobState.QUEUED, Blocked.OUTSIDE_WINDOW) if spec.window else (JobState.WAITING, Blocked.NONE)
+            )
+            job, created = self.jobs.create(
+                app_id,
+                request_id,
+                spec,
+                state,
+                blocked,
+                quota.max_active_jobs,
+                schedule_id,
+                max_adapters=quota.max_adapters,
+            )
         if created:
             log.info("job_created", job_id=job.job_id, app_id=app_id, windowed=spec.window is not None)
             self.hub.notify()
@@ -73,6 +76,20 @@ class JobManager:
                 self.runner.reconcile()
             job = self.jobs.get(job.job_id)
         return job
+
+    def require_inputs(self, app_id: str, spec: JobSpec) -> None:
+        """What a job or schedule reads is there: its datasets and its init adapter (checked when the request
+        arrived; a deletion may have removed it since). Call inside ``gate.writing(app_id, Write.JOB)``.
+
+        Raises:
+            NotFound: a dataset or the init adapter is absent or another app's.
+        """
+        have = self.samples.existing_datasets(app_id, spec.dataset_ids)
+        for d in spec.dataset_ids:
+            if d not in have:
+                raise NotFound("dataset", d)
+        if spec.init_adapter_id:
+            self.adapters.get(app_id, spec.init_adapter_id)
 
     def get(self, app_id: str, job_id: str) -> Job:
         """One of the app's jobs (NotFound for absent and not-yours alike)."""

@@ -12,6 +12,7 @@ STATUS: tuple[tuple[type[e.LoradError], grpc.StatusCode], ...] = (
     (e.NotFound, grpc.StatusCode.NOT_FOUND),
     (e.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (e.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.Aborted, grpc.StatusCode.ABORTED),
     (e.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (e.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),

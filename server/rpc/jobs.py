@@ -10,7 +10,8 @@ from typing import Any
 from grpc import aio
 
 from lorad.server import validation as v
-from lorad.server.errors import InvalidArgument, NotFound, Unauthenticated
+from lorad.server.errors import InvalidArgument, Unauthenticated
+from lorad.server.gate import Write
 from lorad.server.init_adapter import with_init_adapter
 from lorad.server.records import JobSpec
 from lorad.server.rpc import convert as cv
@@ -150,13 +151,14 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         spec = self._spec(
             request.dataset_ids, request.config, request.requirements, request.window, True, app_id=app_id
         )
-        have = await asyncio.to_thread(self.s.data.existing_datasets, app_id, spec.dataset_ids)
-        for d in spec.dataset_ids:
-            if d not in have:
-                raise NotFound("dataset", d)
-        assert self.scheduler is not None
-        sched = await asyncio.to_thread(self.scheduler.add_schedule, app_id, spec)
+        sched = await asyncio.to_thread(self._add_schedule, app_id, spec)
         return jobs_pb2.CreateScheduleResponse(schedule=cv.schedule_pb(sched))
+
+    def _add_schedule(self, app_id: str, spec: JobSpec) -> Any:
+        with self.s.gate.writing(app_id, Write.JOB):  # checked and stored with no deletion of the data in between
+            self.s.manager.require_inputs(app_id, spec)
+            assert self.scheduler is not None
+            return self.scheduler.add_schedule(app_id, spec)
 
     async def ListSchedules(self, request: jobs_pb2.ListSchedulesRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()

@@ -99,7 +99,8 @@ class AdapterServiceServicer:
         """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
         start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
         PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
-        the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+        the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise). ABORTED while ForgetApp runs
+        for the app.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,7 +47,8 @@ class AdapterServiceStub:
     """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
     start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
     PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
-    the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+    the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise). ABORTED while ForgetApp runs
+    for the app.
     """
 
 @_typing.type_check_only
@@ -69,7 +70,8 @@ class AdapterServiceAsyncStub(AdapterServiceStub):
     """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
     start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
     PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
-    the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+    the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise). ABORTED while ForgetApp runs
+    for the app.
     """
 
 class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -118,7 +120,8 @@ class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
         """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
         start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
         PEFT tar (as DownloadAdapter serves it) in chunks of at most 1 MiB. The adapter's base model hash must equal
-        the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise).
+        the header's and the daemon's model's (FAILED_PRECONDITION names both otherwise). ABORTED while ForgetApp runs
+        for the app.
         """
 
 def add_AdapterServiceServicer_to_server(servicer: AdapterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

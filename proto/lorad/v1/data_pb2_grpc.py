@@ -79,7 +79,8 @@ class DataServiceServicer:
     def AppendSamples(self, request, context):
         """Appends up to 1,000 samples atomically (all or none). Samples are acknowledged only after they are committed
         to disk; a sample identical to one already in the dataset is counted as a duplicate and not stored twice,
-        which makes retries safe. Creates the dataset if needed.
+        which makes retries safe. Creates the dataset if needed. ABORTED while DeleteDataset deletes this dataset or
+        ForgetApp runs for the app (send again once it returns: the samples then start a new dataset).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,7 +88,7 @@ class DataServiceServicer:
 
     def StreamSamples(self, request_iterator, context):
         """Streams batches of samples; each message is committed atomically as it arrives, so after a broken stream the
-        committed prefix stays (retry the rest: duplicates are detected).
+        committed prefix stays (retry the rest: duplicates are detected). ABORTED as AppendSamples is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,13 +118,15 @@ class DataServiceServicer:
     def DeleteDataset(self, request, context):
         """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
         FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+        While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ForgetApp(self, request, context):
-        """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk.
+        """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk. While
+        it runs, the app's appends, CreateJob, CreateSchedule and ImportAdapter fail with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,11 +36,12 @@ class DataServiceStub:
     AppendSamples: _grpc.UnaryUnaryMultiCallable[_data_pb2.AppendSamplesRequest, _data_pb2.AppendSamplesResponse]
     """Appends up to 1,000 samples atomically (all or none). Samples are acknowledged only after they are committed
     to disk; a sample identical to one already in the dataset is counted as a duplicate and not stored twice,
-    which makes retries safe. Creates the dataset if needed.
+    which makes retries safe. Creates the dataset if needed. ABORTED while DeleteDataset deletes this dataset or
+    ForgetApp runs for the app (send again once it returns: the samples then start a new dataset).
     """
     StreamSamples: _grpc.StreamUnaryMultiCallable[_data_pb2.StreamSamplesRequest, _data_pb2.StreamSamplesResponse]
     """Streams batches of samples; each message is committed atomically as it arrives, so after a broken stream the
-    committed prefix stays (retry the rest: duplicates are detected).
+    committed prefix stays (retry the rest: duplicates are detected). ABORTED as AppendSamples is.
     """
     ListDatasets: _grpc.UnaryUnaryMultiCallable[_data_pb2.ListDatasetsRequest, _data_pb2.ListDatasetsResponse]
     """Lists the calling app's datasets."""
@@ -51,9 +52,12 @@ class DataServiceStub:
     DeleteDataset: _grpc.UnaryUnaryMultiCallable[_data_pb2.DeleteDatasetRequest, _data_pb2.DeleteDatasetResponse]
     """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
     FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+    While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
     """
     ForgetApp: _grpc.UnaryUnaryMultiCallable[_data_pb2.ForgetAppRequest, _data_pb2.ForgetAppResponse]
-    """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk."""
+    """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk. While
+    it runs, the app's appends, CreateJob, CreateSchedule and ImportAdapter fail with ABORTED.
+    """
 
 @_typing.type_check_only
 class DataServiceAsyncStub(DataServiceStub):
@@ -63,11 +67,12 @@ class DataServiceAsyncStub(DataServiceStub):
     AppendSamples: _aio.UnaryUnaryMultiCallable[_data_pb2.AppendSamplesRequest, _data_pb2.AppendSamplesResponse]  # type: ignore[assignment]
     """Appends up to 1,000 samples atomically (all or none). Samples are acknowledged only after they are committed
     to disk; a sample identical to one already in the dataset is counted as a duplicate and not stored twice,
-    which makes retries safe. Creates the dataset if needed.
+    which makes retries safe. Creates the dataset if needed. ABORTED while DeleteDataset deletes this dataset or
+    ForgetApp runs for the app (send again once it returns: the samples then start a new dataset).
     """
     StreamSamples: _aio.StreamUnaryMultiCallable[_data_pb2.StreamSamplesRequest, _data_pb2.StreamSamplesResponse]  # type: ignore[assignment]
     """Streams batches of samples; each message is committed atomically as it arrives, so after a broken stream the
-    committed prefix stays (retry the rest: duplicates are detected).
+    committed prefix stays (retry the rest: duplicates are detected). ABORTED as AppendSamples is.
     """
     ListDatasets: _aio.UnaryUnaryMultiCallable[_data_pb2.ListDatasetsRequest, _data_pb2.ListDatasetsResponse]  # type: ignore[assignment]
     """Lists the calling app's datasets."""
@@ -78,9 +83,12 @@ class DataServiceAsyncStub(DataServiceStub):
     DeleteDataset: _aio.UnaryUnaryMultiCallable[_data_pb2.DeleteDatasetRequest, _data_pb2.DeleteDatasetResponse]  # type: ignore[assignment]
     """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
     FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+    While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
     """
     ForgetApp: _aio.UnaryUnaryMultiCallable[_data_pb2.ForgetAppRequest, _data_pb2.ForgetAppResponse]  # type: ignore[assignment]
-    """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk."""
+    """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk. While
+    it runs, the app's appends, CreateJob, CreateSchedule and ImportAdapter fail with ABORTED.
+    """
 
 class DataServiceServicer(metaclass=_abc_1.ABCMeta):
     """Stores and deletes an app's samples."""
@@ -93,7 +101,8 @@ class DataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_data_pb2.AppendSamplesResponse, _abc.Awaitable[_data_pb2.AppendSamplesResponse]]:
         """Appends up to 1,000 samples atomically (all or none). Samples are acknowledged only after they are committed
         to disk; a sample identical to one already in the dataset is counted as a duplicate and not stored twice,
-        which makes retries safe. Creates the dataset if needed.
+        which makes retries safe. Creates the dataset if needed. ABORTED while DeleteDataset deletes this dataset or
+        ForgetApp runs for the app (send again once it returns: the samples then start a new dataset).
         """
 
     @_abc_1.abstractmethod
@@ -103,7 +112,7 @@ class DataServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_data_pb2.StreamSamplesResponse, _abc.Awaitable[_data_pb2.StreamSamplesResponse]]:
         """Streams batches of samples; each message is committed atomically as it arrives, so after a broken stream the
-        committed prefix stays (retry the rest: duplicates are detected).
+        committed prefix stays (retry the rest: duplicates are detected). ABORTED as AppendSamples is.
         """
 
     @_abc_1.abstractmethod
@@ -138,6 +147,7 @@ class DataServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_data_pb2.DeleteDatasetResponse, _abc.Awaitable[_data_pb2.DeleteDatasetResponse]]:
         """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
         FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
+        While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
         """
 
     @_abc_1.abstractmethod
@@ -146,6 +156,8 @@ class DataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _data_pb2.ForgetAppRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_data_pb2.ForgetAppResponse, _abc.Awaitable[_data_pb2.ForgetAppResponse]]:
-        """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk."""
+        """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk. While
+        it runs, the app's appends, CreateJob, CreateSchedule and ImportAdapter fail with ABORTED.
+        """
 
 def add_DataServiceServicer_to_server(servicer: DataServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -103,7 +103,8 @@ class JobServiceServicer:
 
     def CreateJob(self, request, context):
         """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-        under the same request_id fails with ALREADY_EXISTS.
+        under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
+        (a new job might read the data or start from an adapter that learned from it); send again once it returns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -167,7 +168,7 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateSchedule(self, request, context):
-        """Creates a recurring schedule (e.g. nightly) that queues a job on each firing.
+        """Creates a recurring schedule (e.g. nightly) that queues a job on each firing. ABORTED as CreateJob is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,8 @@ class JobServiceStub:
     def __new__(cls, channel: _aio.Channel) -> JobServiceAsyncStub: ...
     CreateJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CreateJobRequest, _jobs_pb2.CreateJobResponse]
     """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-    under the same request_id fails with ALREADY_EXISTS.
+    under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
+    (a new job might read the data or start from an adapter that learned from it); send again once it returns.
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.GetJobRequest, _jobs_pb2.GetJobResponse]
     """Gets one job."""
@@ -56,7 +57,7 @@ class JobServiceStub:
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListCheckpointsRequest, _jobs_pb2.ListCheckpointsResponse]
     """Lists a job's checkpoints, oldest first."""
     CreateSchedule: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CreateScheduleRequest, _jobs_pb2.CreateScheduleResponse]
-    """Creates a recurring schedule (e.g. nightly) that queues a job on each firing."""
+    """Creates a recurring schedule (e.g. nightly) that queues a job on each firing. ABORTED as CreateJob is."""
     ListSchedules: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.ListSchedulesRequest, _jobs_pb2.ListSchedulesResponse]
     """Lists the calling app's schedules."""
     DeleteSchedule: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.DeleteScheduleRequest, _jobs_pb2.DeleteScheduleResponse]
@@ -69,7 +70,8 @@ class JobServiceAsyncStub(JobServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CreateJobRequest, _jobs_pb2.CreateJobResponse]  # type: ignore[assignment]
     """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-    under the same request_id fails with ALREADY_EXISTS.
+    under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
+    (a new job might read the data or start from an adapter that learned from it); send again once it returns.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.GetJobRequest, _jobs_pb2.GetJobResponse]  # type: ignore[assignment]
     """Gets one job."""
@@ -90,7 +92,7 @@ class JobServiceAsyncStub(JobServiceStub):
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListCheckpointsRequest, _jobs_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     """Lists a job's checkpoints, oldest first."""
     CreateSchedule: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CreateScheduleRequest, _jobs_pb2.CreateScheduleResponse]  # type: ignore[assignment]
-    """Creates a recurring schedule (e.g. nightly) that queues a job on each firing."""
+    """Creates a recurring schedule (e.g. nightly) that queues a job on each firing. ABORTED as CreateJob is."""
     ListSchedules: _aio.UnaryUnaryMultiCallable[_jobs_pb2.ListSchedulesRequest, _jobs_pb2.ListSchedulesResponse]  # type: ignore[assignment]
     """Lists the calling app's schedules."""
     DeleteSchedule: _aio.UnaryUnaryMultiCallable[_jobs_pb2.DeleteScheduleRequest, _jobs_pb2.DeleteScheduleResponse]  # type: ignore[assignment]
@@ -106,7 +108,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.CreateJobResponse, _abc.Awaitable[_jobs_pb2.CreateJobResponse]]:
         """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-        under the same request_id fails with ALREADY_EXISTS.
+        under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
+        (a new job might read the data or start from an adapter that learned from it); send again once it returns.
         """
 
     @_abc_1.abstractmethod
@@ -181,7 +184,7 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _jobs_pb2.CreateScheduleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.CreateScheduleResponse, _abc.Awaitable[_jobs_pb2.CreateScheduleResponse]]:
-        """Creates a recurring schedule (e.g. nightly) that queues a job on each firing."""
+        """Creates a recurring schedule (e.g. nightly) that queues a job on each firing. ABORTED as CreateJob is."""
 
     @_abc_1.abstractmethod
     def ListSchedules(

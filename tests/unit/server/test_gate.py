@@ -1,0 +1,100 @@
+"""DeletionGate: a deletion waits for the conflicting writes in flight, then refuses new ones until it ends; writes
+that cannot touch the deleted data go on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lorad.server.errors import Aborted
+from lorad.server.gate import DeletionGate, Write
+
+
+def _refused(gate: DeletionGate, app: str, write: Write, dataset: str = "") -> str:
+    with pytest.raises(Aborted) as info, gate.writing(app, write, dataset):
+        pass
+    return str(info.value)
+
+
+def _allowed(gate: DeletionGate, app: str, write: Write, dataset: str = "") -> None:
+    with gate.writing(app, write, dataset):
+        pass
+
+
+def test_deleting_a_dataset_refuses_its_samples_and_the_apps_new_jobs_only() -> None:
+    gate = DeletionGate()
+    with gate.deleting("a", "diary"):
+        assert "dataset 'diary' is being deleted" in _refused(gate, "a", Write.SAMPLES, "diary")
+        msg = _refused(gate, "a", Write.JOB)
+        assert "'diary'" in msg and "job or schedule" in msg, msg
+        _allowed(gate, "a", Write.SAMPLES, "mail")  # another dataset of the app
+        _allowed(gate, "a", Write.ADAPTER)
+        _allowed(gate, "b", Write.SAMPLES, "diary")  # another app's dataset of the same name
+        _allowed(gate, "b", Write.JOB)
+    _allowed(gate, "a", Write.SAMPLES, "diary")  # over: a new dataset of that name may start
+    _allowed(gate, "a", Write.JOB)
+
+
+def test_forgetting_an_app_refuses_all_its_writes() -> None:
+    gate = DeletionGate()
+    with gate.deleting("a"):
+        for write, ds in ((Write.SAMPLES, "x"), (Write.JOB, ""), (Write.ADAPTER, "")):
+            assert "app 'a' is being forgotten" in _refused(gate, "a", write, ds)
+        _allowed(gate, "b", Write.ADAPTER)
+    _allowed(gate, "a", Write.ADAPTER)
+
+
+def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
+    gate = DeletionGate()
+    writing, finish = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def write() -> None:
+        with gate.writing("a", Write.SAMPLES, "diary"):
+            writing.set()
+            finish.wait(10)
+            order.append("write")
+
+    def delete() -> None:
+        with gate.deleting("a", "diary"):
+            order.append("delete")
+
+    w = threading.Thread(target=write)
+    w.start()
+    assert writing.wait(10)
+    d = threading.Thread(target=delete)
+    d.start()
+    time.sleep(0.2)
+    assert order == [], "the deletion started under a write of the same dataset"
+    _refused(gate, "a", Write.SAMPLES, "diary")  # registered: new writes are refused while it waits
+    _allowed(gate, "a", Write.SAMPLES, "mail")  # and one that cannot conflict neither waits nor is refused
+    finish.set()
+    w.join(10)
+    d.join(10)
+    assert order == ["write", "delete"]
+
+
+def test_a_deletion_does_not_wait_for_writes_it_does_not_conflict_with() -> None:
+    gate = DeletionGate()
+    with gate.writing("a", Write.SAMPLES, "mail"), gate.writing("b", Write.JOB):
+        done = threading.Event()
+
+        def delete() -> None:
+            with gate.deleting("a", "diary"):
+                done.set()
+
+        t = threading.Thread(target=delete)
+        t.start()
+        assert done.wait(10), "a deletion of 'diary' waited for a write to 'mail' or to another app"
+        t.join(10)
+
+
+def test_two_deletions_of_the_same_dataset_leave_separately() -> None:
+    gate = DeletionGate()
+    with gate.deleting("a", "diary"):
+        with gate.deleting("a", "diary"):
+            pass
+        _refused(gate, "a", Write.SAMPLES, "diary")  # the outer one still runs
+    _allowed(gate, "a", Write.SAMPLES, "diary")
