@@ -60,8 +60,30 @@ def test_pause_and_resume_by_rpc_continues_from_the_checkpoint(make_daemon) -> N
     assert len(before) == 1 and before[0] > 0
     assert done.progress.eval_loss_before == before[0]
     assert any(e.message == f"resumed from checkpoint step {at}" for e in ev)
+    assert [e.message for e in ev].count(f"checkpoint at step {at}") == 1, "the resume re-recorded its checkpoint"
     states = [e.state for e in ev if e.kind == S.JOB_EVENT_KIND_STATE_CHANGED]
     assert S.JOB_STATE_PAUSING in states and S.JOB_STATE_PAUSED in states
+
+
+def test_a_checkpoint_written_but_not_recorded_before_a_kill_is_listed_once_resumed(make_daemon) -> None:
+    # A kill -9 between writing a checkpoint file and recording it leaves the file the job resumes from, unlisted.
+    d = make_daemon()
+    app, _ = d.register("notes")
+    append(app)
+    job = create_job(app, steps=60, checkpoint_every_steps=1000, eval_every_steps=1000)
+    wait_for(lambda: get_job(app, job.job_id).progress.step >= 2, 60, "two steps")
+    app.jobs.PauseJob(S.PauseJobRequest(job_id=job.job_id), metadata=app.md)
+    at = wait_state(app, job.job_id, {S.JOB_STATE_PAUSED}).progress.step
+    loss = get_job(app, job.job_id).progress.train_loss
+    d.daemon.services.jobs.drop_checkpoints(job.job_id)  # the record the kill prevented; the file stays
+    listed = app.jobs.ListCheckpoints(S.ListCheckpointsRequest(job_id=job.job_id), metadata=app.md).checkpoints
+    assert list(listed) == []
+    app.jobs.ResumeJob(S.ResumeJobRequest(job_id=job.job_id), metadata=app.md)
+    wait_for(lambda: get_job(app, job.job_id).progress.step > at, 60, "a step after the resume")
+    listed = app.jobs.ListCheckpoints(S.ListCheckpointsRequest(job_id=job.job_id), metadata=app.md).checkpoints
+    assert [(c.step, round(c.train_loss, 5)) for c in listed] == [(at, round(loss, 5))]
+    assert listed[0].size_bytes > 0
+    app.jobs.CancelJob(S.CancelJobRequest(job_id=job.job_id), metadata=app.md)
 
 
 def test_condition_monitor_pauses_and_resumes_and_npu_is_exclusive(make_daemon) -> None:

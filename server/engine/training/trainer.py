@@ -75,7 +75,8 @@ that "planning" is also repeated about once a second from a heartbeat thread (ne
 
 CheckpointCallback = Callable[["ckpt.CheckpointInfo", float], None]
 """``on_checkpoint(info, train_loss)``: a checkpoint was written (reported after that step's progress; ``train_loss``
-is the last step's loss). Pruned older checkpoints are not reported again; the listener forgets them itself."""
+is the last step's loss). Pruned older checkpoints are not reported again; the listener forgets them itself. The
+checkpoint a run resumes from is reported again when it is restored (a kill may have come before its first report)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,10 @@ class Trainer:
         self.history.losses = [float(x) for x in state["history"]["losses"]]
         self.history.eval_losses = [(int(s), float(v)) for s, v in state["history"]["eval"]]
         log.info("checkpoint_restored", step=self.step)
+        # Told like a new one: a kill between writing a checkpoint and its report leaves one nobody was told about,
+        # and it is the one this run stands on (the listener ignores one it already has).
+        self._unreported.append(path)
+        self._report_checkpoints()
 
     # -- steps -------------------------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float]:

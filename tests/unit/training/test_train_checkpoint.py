@@ -170,3 +170,18 @@ def test_each_checkpoint_is_reported_once_after_its_steps_progress(tmp_path: Pat
 
 def _check(c: Any, loss: float) -> None:
     assert c.path.is_file() and c.size_bytes == c.path.stat().st_size and loss > 0
+
+
+def test_the_checkpoint_a_run_resumes_from_is_reported_with_its_loss(tmp_path: Path) -> None:
+    # A kill between writing a checkpoint and reporting it leaves a file nobody was told about; the next run stands on
+    # it, so restoring reports it (with the loss of its step), before any step of its own.
+    t = make_trainer(replace(CFG, checkpoint_every=0), tmp_path, should_pause=lambda: bool(t.step == 3))
+    res = t.run()
+    assert res.status == "paused" and res.checkpoint is not None
+    path, loss_at_3 = res.checkpoint, t.history.losses[-1]
+    t.close()
+    told: list[tuple[int, Path, float]] = []
+    again = make_trainer(CFG, tmp_path, on_checkpoint=lambda c, loss: told.append((c.step, c.path, loss)))
+    again.restore(path)
+    assert told == [(3, path, loss_at_3)]
+    again.close()
