@@ -416,9 +416,15 @@ class AsyncClient:
         req = adapters_pb2.GetAdapterRequest(adapter_id=await self.adapter_id_of(adapter))
         return conv.adapter((await self._unary("GetAdapter", self._adapters.GetAdapter, req)).adapter)
 
-    async def delete_adapter(self, adapter: AdapterRef) -> int:
-        """Deletes an adapter and its exports; returns the bytes freed."""
-        req = adapters_pb2.DeleteAdapterRequest(adapter_id=await self.adapter_id_of(adapter))
+    async def delete_adapter(self, adapter: AdapterRef, cancel_dependents: bool = False) -> int:
+        """Deletes an adapter and its exports; returns the bytes freed.
+
+        Unfinished jobs or schedules that start from it (``init_adapter_id``) make this FailedPrecondition naming them
+        unless ``cancel_dependents`` (then the jobs are cancelled and the schedules deleted with it).
+        """
+        req = adapters_pb2.DeleteAdapterRequest(
+            adapter_id=await self.adapter_id_of(adapter), cancel_dependents=cancel_dependents
+        )
         return int((await self._unary("DeleteAdapter", self._adapters.DeleteAdapter, req)).freed_bytes)
 
     async def import_adapter(self, peft_tar: bytes, base_model_sha256: str, base_model: str = "") -> t.Adapter:

@@ -255,9 +255,9 @@ class Client:
         """Stores a PEFT adapter tar in the app's registry; see AsyncClient.import_adapter."""
         return self._loop.run(self._aio.import_adapter(peft_tar, base_model_sha256, base_model))
 
-    def delete_adapter(self, adapter: AdapterRef) -> int:
-        """Deletes an adapter; returns the bytes freed."""
-        return self._loop.run(self._aio.delete_adapter(adapter))
+    def delete_adapter(self, adapter: AdapterRef, cancel_dependents: bool = False) -> int:
+        """Deletes an adapter; returns the bytes freed (see the async client for ``cancel_dependents``)."""
+        return self._loop.run(self._aio.delete_adapter(adapter, cancel_dependents))
 
     def download_adapter(
         self,

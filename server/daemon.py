@@ -131,7 +131,7 @@ class Daemon:
         apps_pb2_grpc.add_AppServiceServicer_to_server(AppServicer(s), server)
         data_pb2_grpc.add_DataServiceServicer_to_server(DataServicer(s, self.scheduler.remove), server)
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(s, self.scheduler), server)
-        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterServicer(s), server)
+        adapters_pb2_grpc.add_AdapterServiceServicer_to_server(AdapterServicer(s, self.scheduler.remove), server)
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(s), server)
         device_pb2_grpc.add_DeviceServiceServicer_to_server(DeviceServicer(s), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -1,4 +1,5 @@
-"""ForgetApp and DeleteDataset: stop the jobs on the data, delete every row and file derived from it, durably.
+"""ForgetApp, DeleteDataset and DeleteAdapter: stop the jobs on the data, delete every row and file derived from it,
+durably; what depends on it is named (or cancelled with it), never left to fail later.
 
 Order, so a crash, a full disk or a concurrent call never leaves derived data behind: (0) register with the gate
 (the app's writes to the same data are refused until the end, ``gate.py``), (1) record the intent (a marker file,
@@ -131,6 +132,15 @@ class Lineage:
     adapter_ids: frozenset[str]
 
 
+def _used_by(what: str, jobs: list[Job], scheds: list[str]) -> FailedPrecondition:
+    names = [f"job {j.job_id} ({j.state.name})" for j in jobs] + [f"schedule {x}" for x in scheds]
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return FailedPrecondition(
+        f"{what} is used by {shown}; cancel the jobs and delete the schedules first, or pass cancel_dependents=true "
+        "(CLI: --cancel-dependents) to cancel them with it"
+    )
+
+
 def lineage(s: Services, app_id: str, dataset_id: str, *, through_adapters: bool) -> Lineage:
     """The app's jobs that read ``dataset_id``, and with ``through_adapters`` also every job down the
     ``init_adapter_id`` line from their adapters, and so on. Found from job rows alone (a job row names the adapter it
@@ -178,16 +188,11 @@ def delete_dataset(
         FailedPrecondition: an unfinished job or a schedule depends on it and ``cancel_dependents`` is false.
     """
     s.samples.get_dataset(app_id, dataset_id)
-    with s.gate.deleting(app_id, dataset_id):  # no job or schedule appears between this check and the deletion
+    with s.gate.deleting(app_id, dataset_id=dataset_id):  # no job or schedule appears between check and deletion
         line = lineage(s, app_id, dataset_id, through_adapters=delete_adapters)
         jobs, scheds = dependents(s, app_id, line, dataset_id)
         if (jobs or scheds) and not cancel_dependents:
-            names = [f"job {j.job_id} ({j.state.name})" for j in jobs] + [f"schedule {x}" for x in scheds]
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            raise FailedPrecondition(
-                f"dataset {dataset_id!r} is used by {shown}; cancel the jobs and delete the schedules first, or pass "
-                "cancel_dependents=true (CLI: --cancel-dependents) to cancel them with the dataset"
-            )
+            raise _used_by(f"dataset {dataset_id!r}", jobs, scheds)
         kind = DATASET_AND_ADAPTERS if delete_adapters else DATASET
         marker = intents.record(s.layout.data_dir, kind, app_id, dataset_id)
         r = _delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
@@ -206,7 +211,7 @@ def finish_delete_dataset(
 ) -> DatasetDeleted:
     """The body of DeleteDataset (also run at start for an interrupted one); idempotent. Appends to the dataset and
     the app's new jobs and schedules are refused while it runs (``gate``)."""
-    with s.gate.deleting(app_id, dataset_id):
+    with s.gate.deleting(app_id, dataset_id=dataset_id):
         return _delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
 
 
@@ -268,6 +273,42 @@ def _delete_dataset(
     s.hub.notify()
     log.info("dataset_deleted", samples=n, jobs=len(ids), schedules=len(scheds), adapters=len(adapters))
     return DatasetDeleted(n, len(adapters))
+
+
+def delete_adapter(
+    s: Services,
+    app_id: str,
+    adapter_id: str,
+    *,
+    cancel_dependents: bool = False,
+    remove_window: RemoveWindow | None = None,
+) -> int:
+    """Deletes an adapter and its files; returns the bytes freed. The unfinished jobs and the schedules that start
+    from it (``init_adapter_id``) depend on it: without it they would fail at their start, every night for a
+    schedule. With ``cancel_dependents`` those jobs are cancelled (their checkpoints go) and the schedules deleted.
+    The jobs that finished from it and their adapters stay.
+
+    Raises:
+        NotFound: absent or another app's adapter.
+        FailedPrecondition: an unfinished job or a schedule starts from it and ``cancel_dependents`` is false.
+    """
+    s.library.get(app_id, adapter_id)
+    with s.gate.deleting(app_id, adapter_id=adapter_id):  # no job or schedule from it appears meanwhile
+        jobs = [j for j in s.jobs.of_app(app_id) if j.spec.init_adapter_id == adapter_id and j.state in ACTIVE_STATES]
+        scheds = [x.schedule_id for x in s.schedules.for_app(app_id) if x.spec.init_adapter_id == adapter_id]
+        if (jobs or scheds) and not cancel_dependents:
+            raise _used_by(f"adapter {adapter_id!r}", jobs, scheds)
+        for j in jobs:
+            with contextlib.suppress(FailedPrecondition):  # it finished meanwhile
+                s.manager.cancel(app_id, j.job_id, message=f"cancelled: adapter {adapter_id} it starts from deleted")
+        _remove_windows(remove_window, [f"schedule:{x}" for x in scheds])
+        for x in scheds:
+            s.schedules.delete(x, app_id)
+        freed = s.library.delete(app_id, adapter_id)
+    for hook in s.on_adapters_deleted:
+        hook((adapter_id,))
+    log.info("adapter_deleted", jobs=len(jobs), schedules=len(scheds), freed_bytes=freed)
+    return freed
 
 
 def resume_pending(s: Services, remove_window: RemoveWindow | None = None) -> int:

@@ -5,7 +5,8 @@ trained), then delete it step by step. A write for the same data in between woul
 the last batch went but before the dataset row did (stored, counted against the quota, listed nowhere), a job created
 after the jobs were read (its rows outlive "forget me"), a job starting from an adapter about to go. So a deletion
 registers here first and waits for the conflicting writes in flight; until it ends, new conflicting writes are
-refused with ABORTED and a message saying which deletion to wait for. Writes that cannot conflict go on (appending
+refused with ABORTED and a message saying which deletion to wait for. DeleteAdapter registers too: a job created
+from the adapter while it goes would fail at its start. Writes that cannot conflict go on (appending
 to another dataset of the app while one is deleted).
 """
 
@@ -24,34 +25,42 @@ class Write(enum.Enum):
     """What a write adds, which decides the deletions it conflicts with."""
 
     SAMPLES = "samples"  # to one dataset: conflicts with deleting that dataset, or the app's data
-    JOB = "job"  # a job or schedule: may read the dataset or start from an adapter that learned from it
+    JOB = "job"  # a job or schedule: may read the dataset, or start from the adapter or one that learned from it
     ADAPTER = "adapter"  # an imported adapter: conflicts with forgetting the app only
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: two equal deletions may run at once and leave separately
 class _Deletion:
     app_id: str
-    dataset_id: str | None  # None: ForgetApp (all of the app's data)
+    dataset_id: str = ""  # DeleteDataset
+    adapter_id: str = ""  # DeleteAdapter; neither: ForgetApp (all of the app's data)
 
     def conflicts(self, app_id: str, write: Write, dataset_id: str) -> bool:
         if app_id != self.app_id:
             return False
-        if self.dataset_id is None:
-            return True
-        return write is Write.JOB or (write is Write.SAMPLES and dataset_id == self.dataset_id)
+        if self.dataset_id:
+            return write is Write.JOB or (write is Write.SAMPLES and dataset_id == self.dataset_id)
+        if self.adapter_id:
+            return write is Write.JOB
+        return True
 
     def refusal(self, write: Write) -> Aborted:
-        if self.dataset_id is None:
-            return Aborted(f"app {self.app_id!r} is being forgotten (ForgetApp); send this again once that returns")
-        if write is Write.SAMPLES:
+        if self.dataset_id and write is Write.SAMPLES:
             return Aborted(
                 f"dataset {self.dataset_id!r} is being deleted (DeleteDataset); samples sent once that call returns "
                 "start a new dataset of that name"
             )
-        return Aborted(
-            f"dataset {self.dataset_id!r} is being deleted (DeleteDataset), and a new job or schedule may read it "
-            "or start from an adapter that learned from it; send this again once that call returns"
-        )
+        if self.dataset_id:
+            return Aborted(
+                f"dataset {self.dataset_id!r} is being deleted (DeleteDataset), and a new job or schedule may read "
+                "it or start from an adapter that learned from it; send this again once that call returns"
+            )
+        if self.adapter_id:
+            return Aborted(
+                f"adapter {self.adapter_id!r} is being deleted (DeleteAdapter), and a new job or schedule may start "
+                "from it; send this again once that call returns"
+            )
+        return Aborted(f"app {self.app_id!r} is being forgotten (ForgetApp); send this again once that returns")
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,10 +79,11 @@ class DeletionGate:
         self._writes: list[_Write] = []
 
     @contextmanager
-    def deleting(self, app_id: str, dataset_id: str | None = None) -> Iterator[None]:
-        """Runs a deletion of ``dataset_id`` (None: all the app's data) once no conflicting write is in flight;
-        conflicting writes are refused until it ends. Waiting is short: a write is one transaction or one import."""
-        d = _Deletion(app_id, dataset_id)
+    def deleting(self, app_id: str, *, dataset_id: str = "", adapter_id: str = "") -> Iterator[None]:
+        """Runs a deletion of ``dataset_id`` or ``adapter_id`` (neither: all the app's data) once no conflicting write
+        is in flight; conflicting writes are refused until it ends. Waiting is short: a write is one transaction or
+        one import."""
+        d = _Deletion(app_id, dataset_id, adapter_id)
         with self._cond:
             self._deletions.append(d)
             self._cond.wait_for(lambda: not any(d.conflicts(w.app_id, w.write, w.dataset_id) for w in self._writes))

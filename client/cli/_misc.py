@@ -51,6 +51,11 @@ def add_parsers(sub: Any, parent: argparse.ArgumentParser) -> None:
     )
     de.add_argument("adapter_id", help="adapter id, or a job id (job_...) whose adapter to delete")
     de.add_argument("-y", "--yes", action="store_true", help="delete without asking")
+    de.add_argument(
+        "--cancel-dependents",
+        action="store_true",
+        help="also cancel unfinished jobs and delete schedules that start from the adapter",
+    )
     de.set_defaults(func=adapters_delete)
 
     gen = sub.add_parser("generate", parents=[parent], help="generate text with the base model or an adapter")
@@ -201,7 +206,7 @@ def adapters_delete(args: argparse.Namespace) -> int:
             print("not deleted", file=sys.stderr)
             return EXIT_FAILURE
     with make_client(args) as c:
-        freed = c.delete_adapter(args.adapter_id)
+        freed = c.delete_adapter(args.adapter_id, cancel_dependents=args.cancel_dependents)
     if opt(args, "json"):
         print_json({"deleted": args.adapter_id, "freed_bytes": freed})
     else:

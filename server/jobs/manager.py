@@ -143,7 +143,7 @@ class JobManager:
         self.runner.reconcile()
         return self.jobs.get(job_id)
 
-    def cancel(self, app_id: str, job_id: str) -> Job:
+    def cancel(self, app_id: str, job_id: str, message: str = "cancelled") -> Job:
         """Any non-final state → CANCELLED; checkpoints are deleted (a running job stops at its next step).
 
         Raises:
@@ -152,7 +152,7 @@ class JobManager:
         job = self.jobs.get(job_id, app_id)
         if job.state.final:
             raise FailedPrecondition(f"job {job_id} is {job.state.name}; only a job that is not final can be cancelled")
-        job, _ = self.jobs.transition(job_id, ACTIVE_STATES, JobState.CANCELLED, app_id=app_id, message="cancelled")
+        job, _ = self.jobs.transition(job_id, ACTIVE_STATES, JobState.CANCELLED, app_id=app_id, message=message)
         self.hub.notify()
         if not self.runner.request_pause(job_id, JobState.CANCELLED, Blocked.NONE, "cancelled"):
             self.jobs.drop_checkpoints(job_id)

@@ -12,6 +12,7 @@ from grpc import aio
 from lorad.server import validation as v
 from lorad.server.errors import InvalidArgument
 from lorad.server.exports import CHUNK
+from lorad.server.forget import delete_adapter
 from lorad.server.rpc import convert as cv
 from lorad.server.rpc.interceptor import principal
 from lorad.server.services import Services
@@ -24,8 +25,9 @@ from lorad.v1 import (
 class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
     """The calling app's adapters."""
 
-    def __init__(self, s: Services) -> None:
+    def __init__(self, s: Services, remove_window: Any = None) -> None:
         self.s = s
+        self.remove_window = remove_window
 
     async def ListAdapters(self, request: adapters_pb2.ListAdaptersRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
@@ -91,7 +93,12 @@ class AdapterServicer(adapters_pb2_grpc.AdapterServiceServicer):
     async def DeleteAdapter(self, request: adapters_pb2.DeleteAdapterRequest, context: aio.ServicerContext) -> Any:
         app_id = principal().require_app()
         aid = v.check_server_id("adapter_id", request.adapter_id)
-        freed = await asyncio.to_thread(self.s.library.delete, app_id, aid)
-        for hook in self.s.on_adapters_deleted:
-            hook((aid,))
+        freed = await asyncio.to_thread(
+            delete_adapter,
+            self.s,
+            app_id,
+            aid,
+            cancel_dependents=request.cancel_dependents,
+            remove_window=self.remove_window,
+        )
         return adapters_pb2.DeleteAdapterResponse(freed_bytes=freed)

@@ -1,9 +1,13 @@
 """DeleteDataset with delete_adapters: the adapters that learned from the data go, down the init_adapter line, and
 so do the checkpoints of the jobs and the schedules that start from them; the others stay; an interrupted deletion
-finishes at the next start."""
+finishes at the next start. DeleteAdapter names or cancels the jobs and schedules that start from the adapter."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +132,40 @@ def test_an_interrupted_deletion_with_adapters_finishes_at_start(make_daemon: An
     datasets = app.data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=app.md).datasets
     assert [x.dataset_id for x in datasets] == ["mail"]
     assert intents.pending(s.layout.data_dir) == []
+
+
+def test_delete_adapter_names_or_cancels_what_starts_from_it(make_daemon: Any, tmp_path: Path) -> None:
+    d = make_daemon()
+    app, token = d.register("notes-app")
+    append(app, "diary")
+    learned = _train(app, "r1", "diary")
+    finished = _train(app, "r2", "diary", init=learned)  # trained on from it, done: stays
+    d.set_probe({**GOOD_PROBE, "charging": False, "battery_percent": 20})  # the next job waits
+    waiting = create_job(app, "r3", ("diary",), steps=2, init_adapter_id=learned)
+    assert wait_state(app, waiting.job_id, {jobs_pb2.JOB_STATE_WAITING}).state == jobs_pb2.JOB_STATE_WAITING
+    sched = app.jobs.CreateSchedule(jobs_pb2.CreateScheduleRequest(
+        dataset_ids=["diary"], window=common_pb2.TrainingWindow(cron="30 2 * * *"),
+        config=tiny_config(steps=2, init_adapter_id=learned)), metadata=app.md).schedule  # fmt: skip
+
+    req = adapters_pb2.DeleteAdapterRequest(adapter_id=learned)
+    code, msg, _ = code_of(lambda: app.adapters.DeleteAdapter(req, metadata=app.md))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, msg)
+    assert waiting.job_id in msg and sched.schedule_id in msg and "cancel_dependents" in msg, msg
+    assert _adapters(app) == {learned, finished}, "a refused deletion deletes nothing"
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAD_")}
+    env |= {"HOME": str(tmp_path), "LORAD_CLIENT_CONFIG": str(tmp_path / "client.toml"), "LORAD_TOKEN": token,
+            "LORAD_TARGET": f"unix:{d.daemon.socket_path}"}  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "lorad.client.cli", "adapters", "delete", learned, "--yes",
+                        "--cancel-dependents", "--json"], check=False, capture_output=True, text=True, env=env,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["deleted"] == learned
+    assert _adapters(app) == {finished}
+    job = app.jobs.GetJob(jobs_pb2.GetJobRequest(job_id=waiting.job_id), metadata=app.md).job
+    assert job.state == jobs_pb2.JOB_STATE_CANCELLED
+    events = app.jobs.ListJobEvents(jobs_pb2.ListJobEventsRequest(job_id=waiting.job_id), metadata=app.md).events
+    assert learned in events[-1].message, events[-1].message
+    assert list(app.jobs.ListSchedules(jobs_pb2.ListSchedulesRequest(), metadata=app.md).schedules) == []
+    code, msg, _ = code_of(lambda: create_job(app, "r4", ("diary",), steps=2, init_adapter_id=learned))
+    assert code == grpc.StatusCode.NOT_FOUND and learned in msg, (code, msg)

@@ -361,16 +361,22 @@ class DeleteAdapterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    CANCEL_DEPENDENTS_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """The adapter."""
+    cancel_dependents: _builtins.bool
+    """Also cancel the unfinished jobs and delete the schedules that start from it (init_adapter_id); without it their
+    existence makes the call FAILED_PRECONDITION naming them.
+    """
     def __init__(
         self,
         *,
         adapter_id: _builtins.str = ...,
+        cancel_dependents: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_id", b"adapter_id", "cancel_dependents", b"cancel_dependents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -42,7 +42,10 @@ class AdapterServiceStub:
     `read_offset`. To resume a broken download, call again with the number of bytes already received.
     """
     DeleteAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]
-    """Deletes an adapter and its exported files."""
+    """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
+    starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
+    stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+    """
     ImportAdapter: _grpc.StreamUnaryMultiCallable[_adapters_pb2.ImportAdapterRequest, _adapters_pb2.ImportAdapterResponse]
     """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
     start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
@@ -65,7 +68,10 @@ class AdapterServiceAsyncStub(AdapterServiceStub):
     `read_offset`. To resume a broken download, call again with the number of bytes already received.
     """
     DeleteAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]  # type: ignore[assignment]
-    """Deletes an adapter and its exported files."""
+    """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
+    starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
+    stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+    """
     ImportAdapter: _aio.StreamUnaryMultiCallable[_adapters_pb2.ImportAdapterRequest, _adapters_pb2.ImportAdapterResponse]  # type: ignore[assignment]
     """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
     start from it (TrainingConfig.init_adapter_id) or Generate can use it. Client stream: first a header, then the
@@ -109,7 +115,10 @@ class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _adapters_pb2.DeleteAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_adapters_pb2.DeleteAdapterResponse, _abc.Awaitable[_adapters_pb2.DeleteAdapterResponse]]:
-        """Deletes an adapter and its exported files."""
+        """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
+        starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
+        stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+        """
 
     @_abc_1.abstractmethod
     def ImportAdapter(

@@ -25,7 +25,7 @@ def _allowed(gate: DeletionGate, app: str, write: Write, dataset: str = "") -> N
 
 def test_deleting_a_dataset_refuses_its_samples_and_the_apps_new_jobs_only() -> None:
     gate = DeletionGate()
-    with gate.deleting("a", "diary"):
+    with gate.deleting("a", dataset_id="diary"):
         assert "dataset 'diary' is being deleted" in _refused(gate, "a", Write.SAMPLES, "diary")
         msg = _refused(gate, "a", Write.JOB)
         assert "'diary'" in msg and "job or schedule" in msg, msg
@@ -46,6 +46,17 @@ def test_forgetting_an_app_refuses_all_its_writes() -> None:
     _allowed(gate, "a", Write.ADAPTER)
 
 
+def test_deleting_an_adapter_refuses_the_apps_new_jobs_only() -> None:
+    gate = DeletionGate()
+    with gate.deleting("a", adapter_id="adp_1"):
+        msg = _refused(gate, "a", Write.JOB)
+        assert "adapter 'adp_1' is being deleted" in msg, msg
+        _allowed(gate, "a", Write.SAMPLES, "diary")
+        _allowed(gate, "a", Write.ADAPTER)
+        _allowed(gate, "b", Write.JOB)
+    _allowed(gate, "a", Write.JOB)
+
+
 def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
     gate = DeletionGate()
     writing, finish = threading.Event(), threading.Event()
@@ -58,7 +69,7 @@ def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
             order.append("write")
 
     def delete() -> None:
-        with gate.deleting("a", "diary"):
+        with gate.deleting("a", dataset_id="diary"):
             order.append("delete")
 
     w = threading.Thread(target=write)
@@ -82,7 +93,7 @@ def test_a_deletion_does_not_wait_for_writes_it_does_not_conflict_with() -> None
         done = threading.Event()
 
         def delete() -> None:
-            with gate.deleting("a", "diary"):
+            with gate.deleting("a", dataset_id="diary"):
                 done.set()
 
         t = threading.Thread(target=delete)
@@ -93,8 +104,8 @@ def test_a_deletion_does_not_wait_for_writes_it_does_not_conflict_with() -> None
 
 def test_two_deletions_of_the_same_dataset_leave_separately() -> None:
     gate = DeletionGate()
-    with gate.deleting("a", "diary"):
-        with gate.deleting("a", "diary"):
+    with gate.deleting("a", dataset_id="diary"):
+        with gate.deleting("a", dataset_id="diary"):
             pass
         _refused(gate, "a", Write.SAMPLES, "diary")  # the outer one still runs
     _allowed(gate, "a", Write.SAMPLES, "diary")
