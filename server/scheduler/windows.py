@@ -8,6 +8,7 @@ firings into one; a misfire grace of hours means a phone asleep at 02:30 still t
 from __future__ import annotations
 
 import dataclasses
+import time
 import zoneinfo
 from datetime import datetime
 from typing import Any
@@ -17,12 +18,15 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.cron import CronTrigger
 
-from lorad.server.errors import LoradError, NotFound
+from lorad.server.errors import Aborted, LoradError, NotFound
 from lorad.server.jobs.manager import JobManager
 from lorad.server.records import Job, JobSpec, Schedule, Window
 from lorad.server.store.schedules import ScheduleRepo
 
 log = structlog.get_logger(__name__)
+
+FIRE_RETRY_S = 1.0  # a schedule firing while a deletion runs in its app asks again this often…
+FIRE_PATIENCE_S = 600.0  # …this long (a deletion stops a job and purges rows: seconds, rarely minutes)
 
 _active: WindowScheduler | None = None  # the job store pickles a textual reference to `fire`, not the instance
 
@@ -125,17 +129,29 @@ class WindowScheduler:
                 self.manager.open_window(ident)
                 log.info("window_opened", job_id=ident)
             elif kind == "schedule":
-                try:
-                    s = self.schedules.get(ident)
-                except NotFound:  # deleted while its window stayed registered (e.g. a crash mid-ForgetApp)
-                    self.remove(f"schedule:{ident}")
-                    return
-                stamp = datetime.now().strftime("%Y%m%dT%H%M")
-                spec = dataclasses.replace(s.spec, window=None)
-                job = self.manager.create(s.app_id, f"schedule:{ident}:{stamp}", spec, schedule_id=ident)
-                log.info("schedule_fired", schedule_id=ident, job_id=job.job_id, app_id=s.app_id)
+                self._fire_schedule(ident)
         except LoradError as exc:  # e.g. quota reached or dataset deleted: skip this night, keep the schedule
             log.warning("window_fire_skipped", kind=kind, id=ident, error=str(exc)[:200])
+
+    def _fire_schedule(self, ident: str) -> None:
+        stamp = datetime.now().strftime("%Y%m%dT%H%M")  # one request id for the firing, however often it asks
+        deadline = time.monotonic() + FIRE_PATIENCE_S
+        while True:
+            try:
+                s = self.schedules.get(ident)
+            except NotFound:  # deleted while its window stayed registered (a crash mid-ForgetApp, a deletion just now)
+                self.remove(f"schedule:{ident}")
+                return
+            spec = dataclasses.replace(s.spec, window=None)
+            try:
+                job = self.manager.create(s.app_id, f"schedule:{ident}:{stamp}", spec, schedule_id=ident)
+            except Aborted:  # a deletion runs in the app; it may delete this schedule too: ask again once it ended
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(FIRE_RETRY_S)
+                continue
+            log.info("schedule_fired", schedule_id=ident, job_id=job.job_id, app_id=s.app_id)
+            return
 
 
 def describe(aps: Any) -> list[dict[str, Any]]:

@@ -172,3 +172,27 @@ def test_an_import_racing_forget_app_is_refused(make_daemon: Any, tiny_llama: Pa
     assert not _adapters(app)
     assert app.adapters.ImportAdapter(iter([header, adapters_pb2.ImportAdapterRequest(chunk=blob)]),
                                       metadata=app.md).adapter.adapter_id  # fmt: skip
+
+
+def test_a_schedule_firing_during_a_deletion_creates_its_job_once_the_deletion_ends(make_daemon: Any) -> None:
+    d = make_daemon()
+    app, _ = d.register("notes-app")
+    append(app, "diary")
+    append(app, "mail")
+    _trained(app, "r1", "diary")  # a reader: the deletion stops it first, where the test holds it
+    nightly = jobs_pb2.CreateScheduleRequest(
+        dataset_ids=["mail"], window=common_pb2.TrainingWindow(cron="30 2 * * *"), config=tiny_config(steps=2)
+    )
+    sched = app.jobs.CreateSchedule(nightly, metadata=app.md).schedule
+    entered, go = _hold_deletions(d)
+    deleting = app.data.DeleteDataset.future(data_pb2.DeleteDatasetRequest(dataset_id="diary"), metadata=app.md)
+    assert entered.wait(30)
+    firing = threading.Thread(target=d.daemon.scheduler.on_fire, args=("schedule", sched.schedule_id))
+    firing.start()  # as APScheduler calls it: on a thread of its own
+    firing.join(1.5)
+    assert firing.is_alive(), "the firing gave up (or created its job) while the deletion ran"
+    go.set()
+    deleting.result(timeout=120)
+    firing.join(30)
+    jobs = app.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=app.md).jobs
+    assert [j.schedule_id for j in jobs if j.schedule_id] == [sched.schedule_id], "the night's job was skipped"
