@@ -23,7 +23,7 @@ class AppData:
             ResourceExhausted: the quota would be exceeded.
             Aborted: the dataset, or all the app's data, is being deleted.
         """
-        with self._gate.writing(app_id, Write.SAMPLES, dataset_id):
+        with self._gate.writing(app_id, Write.SAMPLES, (dataset_id,)):
             return self._samples.append(app_id, dataset_id, bodies, self._apps.get(app_id).quota)
 
     def list_datasets(self, app_id: str, size: int, token: str) -> tuple[list[Dataset], str]:

@@ -1,9 +1,9 @@
 """ForgetApp, DeleteDataset and DeleteAdapter: stop the jobs on the data, delete every row and file derived from it,
 durably; what depends on it is named (or cancelled with it), never left to fail later.
 
-Order, so a crash, a full disk or a concurrent call never leaves derived data behind: (0) register with the gate
-(the app's writes to the same data are refused until the end, ``gate.py``), (1) record the intent (a marker file,
-finished at the next start if we die), (2) bar the jobs from the NPU and wait for the worker thread to leave them (no
+Order, so a crash, a full disk or a concurrent call never leaves derived data behind: (1) record the intent (a marker
+file, finished at the next start if we die) and register with the gate (the app's writes to the same data are refused
+until the end, ``gate.py``), (2) bar the jobs from the NPU and wait for the worker thread to leave them (no
 checkpoint is written after; the line of jobs is read again once they are stopped), (3) delete files (frees space),
 (4) delete rows in small transactions, (5) clear the marker.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from lorad.server import intents
-from lorad.server.errors import FailedPrecondition, LoradError, Unavailable
+from lorad.server.errors import FailedPrecondition, LoradError, NotFound, Unavailable
 from lorad.server.jobs.files import remove_tree, tree_size
 from lorad.server.records import ACTIVE_STATES, Job, JobState
 from lorad.server.services import Services
@@ -188,7 +188,8 @@ def delete_dataset(
         FailedPrecondition: an unfinished job or a schedule depends on it and ``cancel_dependents`` is false.
     """
     s.samples.get_dataset(app_id, dataset_id)
-    with s.gate.deleting(app_id, dataset_id=dataset_id):  # no job or schedule appears between check and deletion
+    # No job or schedule on the data appears between the check and the deletion.
+    with s.gate.deleting(app_id, dataset_id=dataset_id, with_adapters=delete_adapters):
         line = lineage(s, app_id, dataset_id, through_adapters=delete_adapters)
         jobs, scheds = dependents(s, app_id, line, dataset_id)
         if (jobs or scheds) and not cancel_dependents:
@@ -211,7 +212,7 @@ def finish_delete_dataset(
 ) -> DatasetDeleted:
     """The body of DeleteDataset (also run at start for an interrupted one); idempotent. Appends to the dataset and
     the app's new jobs and schedules are refused while it runs (``gate``)."""
-    with s.gate.deleting(app_id, dataset_id=dataset_id):
+    with s.gate.deleting(app_id, dataset_id=dataset_id, with_adapters=delete_adapters):
         return _delete_dataset(s, app_id, dataset_id, remove_window, delete_adapters=delete_adapters)
 
 
@@ -301,9 +302,10 @@ def delete_adapter(
         for j in jobs:
             with contextlib.suppress(FailedPrecondition):  # it finished meanwhile
                 s.manager.cancel(app_id, j.job_id, message=f"cancelled: adapter {adapter_id} it starts from deleted")
-        _remove_windows(remove_window, [f"schedule:{x}" for x in scheds])
+        _remove_windows(remove_window, [f"schedule:{x}" for x in scheds] + [f"window:{j.job_id}" for j in jobs])
         for x in scheds:
-            s.schedules.delete(x, app_id)
+            with contextlib.suppress(NotFound):  # a DeleteSchedule got there first
+                s.schedules.delete(x, app_id)
         freed = s.library.delete(app_id, adapter_id)
     for hook in s.on_adapters_deleted:
         hook((adapter_id,))

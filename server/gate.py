@@ -6,8 +6,8 @@ the last batch went but before the dataset row did (stored, counted against the 
 after the jobs were read (its rows outlive "forget me"), a job starting from an adapter about to go. So a deletion
 registers here first and waits for the conflicting writes in flight; until it ends, new conflicting writes are
 refused with ABORTED and a message saying which deletion to wait for. DeleteAdapter registers too: a job created
-from the adapter while it goes would fail at its start. Writes that cannot conflict go on (appending
-to another dataset of the app while one is deleted).
+from the adapter while it goes would fail at its start. Writes that cannot conflict go on: appending to another
+dataset, a job that neither reads the dataset nor starts from the adapter being deleted.
 """
 
 from __future__ import annotations
@@ -25,23 +25,36 @@ class Write(enum.Enum):
     """What a write adds, which decides the deletions it conflicts with."""
 
     SAMPLES = "samples"  # to one dataset: conflicts with deleting that dataset, or the app's data
-    JOB = "job"  # a job or schedule: may read the dataset, or start from the adapter or one that learned from it
+    JOB = "job"  # a job or schedule: conflicts with deleting a dataset it reads or the adapter it starts from
     ADAPTER = "adapter"  # an imported adapter: conflicts with forgetting the app only
+
+
+@dataclass(frozen=True, eq=False)
+class _Write:
+    app_id: str
+    write: Write
+    dataset_ids: tuple[str, ...]  # SAMPLES: the one appended to; JOB: those it reads
+    init_adapter_id: str  # JOB: the adapter it starts from
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: two equal deletions may run at once and leave separately
 class _Deletion:
     app_id: str
     dataset_id: str = ""  # DeleteDataset
+    with_adapters: bool = False  # DeleteDataset with delete_adapters: every adapter that learned from it goes too
     adapter_id: str = ""  # DeleteAdapter; neither: ForgetApp (all of the app's data)
 
-    def conflicts(self, app_id: str, write: Write, dataset_id: str) -> bool:
-        if app_id != self.app_id:
+    def conflicts(self, w: _Write) -> bool:
+        if w.app_id != self.app_id:
             return False
         if self.dataset_id:
-            return write is Write.JOB or (write is Write.SAMPLES and dataset_id == self.dataset_id)
+            if self.dataset_id in w.dataset_ids:
+                return w.write in (Write.SAMPLES, Write.JOB)
+            # Which adapters learned from the data is known only once the jobs on it stopped: any start from one
+            # waits (a job from an adapter that did not learn from it is refused for the seconds this takes).
+            return w.write is Write.JOB and self.with_adapters and bool(w.init_adapter_id)
         if self.adapter_id:
-            return write is Write.JOB
+            return w.write is Write.JOB and w.init_adapter_id == self.adapter_id
         return True
 
     def refusal(self, write: Write) -> Aborted:
@@ -52,22 +65,15 @@ class _Deletion:
             )
         if self.dataset_id:
             return Aborted(
-                f"dataset {self.dataset_id!r} is being deleted (DeleteDataset), and a new job or schedule may read "
-                "it or start from an adapter that learned from it; send this again once that call returns"
+                f"dataset {self.dataset_id!r} is being deleted (DeleteDataset), and this job or schedule reads it "
+                "or may start from an adapter that learned from it; send this again once that call returns"
             )
         if self.adapter_id:
             return Aborted(
-                f"adapter {self.adapter_id!r} is being deleted (DeleteAdapter), and a new job or schedule may start "
+                f"adapter {self.adapter_id!r} is being deleted (DeleteAdapter), and this job or schedule starts "
                 "from it; send this again once that call returns"
             )
         return Aborted(f"app {self.app_id!r} is being forgotten (ForgetApp); send this again once that returns")
-
-
-@dataclass(frozen=True, eq=False)
-class _Write:
-    app_id: str
-    write: Write
-    dataset_id: str
 
 
 class DeletionGate:
@@ -79,31 +85,37 @@ class DeletionGate:
         self._writes: list[_Write] = []
 
     @contextmanager
-    def deleting(self, app_id: str, *, dataset_id: str = "", adapter_id: str = "") -> Iterator[None]:
-        """Runs a deletion of ``dataset_id`` or ``adapter_id`` (neither: all the app's data) once no conflicting write
-        is in flight; conflicting writes are refused until it ends. Waiting is short: a write is one transaction or
-        one import."""
-        d = _Deletion(app_id, dataset_id, adapter_id)
-        with self._cond:
-            self._deletions.append(d)
-            self._cond.wait_for(lambda: not any(d.conflicts(w.app_id, w.write, w.dataset_id) for w in self._writes))
+    def deleting(
+        self, app_id: str, *, dataset_id: str = "", with_adapters: bool = False, adapter_id: str = ""
+    ) -> Iterator[None]:
+        """Runs a deletion of ``dataset_id`` (and the adapters that learned from it, ``with_adapters``) or of
+        ``adapter_id`` (neither: all the app's data) once no conflicting write is in flight; conflicting writes are
+        refused until it ends. Waiting is short: a write is one transaction or one import."""
+        d = _Deletion(app_id, dataset_id, with_adapters, adapter_id)
         try:
+            with self._cond:
+                self._deletions.append(d)
+                self._cond.wait_for(lambda: not any(d.conflicts(w) for w in self._writes))
             yield
         finally:
             with self._cond:
-                self._deletions.remove(d)
+                if d in self._deletions:
+                    self._deletions.remove(d)
 
     @contextmanager
-    def writing(self, app_id: str, write: Write, dataset_id: str = "") -> Iterator[None]:
-        """Runs a write of the app, unless a deletion it conflicts with is running.
+    def writing(
+        self, app_id: str, write: Write, dataset_ids: tuple[str, ...] = (), init_adapter_id: str = ""
+    ) -> Iterator[None]:
+        """Runs a write of the app (to ``dataset_ids``, or a job reading them and starting from ``init_adapter_id``)
+        unless a deletion it conflicts with is running.
 
         Raises:
             Aborted: such a deletion is running (the message names it).
         """
-        w = _Write(app_id, write, dataset_id)
+        w = _Write(app_id, write, tuple(dataset_ids), init_adapter_id)
         with self._cond:
             for d in self._deletions:
-                if d.conflicts(app_id, write, dataset_id):
+                if d.conflicts(w):
                     raise d.refusal(write)
             self._writes.append(w)
         try:

@@ -177,8 +177,8 @@ def reap_orphans(c: lc.Client, keep_request: str) -> int:
         if a.adapter_id in theirs:
             try:
                 c.delete_adapter(a.adapter_id)
-            except lc.NotFound:
-                pass  # deleted meanwhile
+            except (lc.NotFound, lc.FailedPrecondition):
+                pass  # deleted meanwhile, or an app's own unfinished job trains on from it: left for a later round
     return cancelled
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 
 import structlog
 
@@ -45,13 +47,12 @@ class JobManager:
             NotFound: a dataset or the init adapter is absent or another app's.
             AlreadyExists: request_id reused with a different payload.
             ResourceExhausted: active-job or adapter quota.
-            Aborted: a deletion of one of the app's datasets, or of the app's data, is running.
+            Aborted: a deletion of one of the app's datasets or adapters, or of all its data, is running.
         """
         retried = self.jobs.find_request(app_id, request_id, spec)  # a retry is answered before any check
         if retried is not None:
             return retried
-        with self.gate.writing(app_id, Write.JOB):  # checked and stored with no deletion of the data in between
-            self.require_inputs(app_id, spec)
+        with self.adding(app_id, spec):
             quota = self.apps.get(app_id).quota
             state, blocked = (
                 (JobState.QUEUED, Blocked.OUTSIDE_WINDOW) if spec.window else (JobState.WAITING, Blocked.NONE)
@@ -66,24 +67,32 @@ class JobManager:
                 schedule_id,
                 max_adapters=quota.max_adapters,
             )
+            if created and spec.window:  # before a deletion may start: it removes the windows of the jobs it finds
+                for cb in self.on_window:
+                    cb(job)
         if created:
             log.info("job_created", job_id=job.job_id, app_id=app_id, windowed=spec.window is not None)
             self.hub.notify()
-            if spec.window:
-                for cb in self.on_window:
-                    cb(job)
-            else:
+            if not spec.window:
                 self.runner.reconcile()
-            job = self.jobs.get(job.job_id)
+            with contextlib.suppress(NotFound):  # a ForgetApp right after: the job as created is the answer
+                job = self.jobs.get(job.job_id)
         return job
 
-    def require_inputs(self, app_id: str, spec: JobSpec) -> None:
-        """What a job or schedule reads is there: its datasets and its init adapter (checked when the request
-        arrived; a deletion may have removed it since). Call inside ``gate.writing(app_id, Write.JOB)``.
+    @contextmanager
+    def adding(self, app_id: str, spec: JobSpec) -> Iterator[None]:
+        """Stores a job or schedule inside: what it reads is there (its datasets, and its init adapter, checked when
+        the request arrived but maybe deleted since) and no deletion of it starts until the block ends.
 
         Raises:
             NotFound: a dataset or the init adapter is absent or another app's.
+            Aborted: a deletion of one of them, or of all the app's data, is running.
         """
+        with self.gate.writing(app_id, Write.JOB, spec.dataset_ids, spec.init_adapter_id):
+            self._require_inputs(app_id, spec)
+            yield
+
+    def _require_inputs(self, app_id: str, spec: JobSpec) -> None:
         have = self.samples.existing_datasets(app_id, spec.dataset_ids)
         for d in spec.dataset_ids:
             if d not in have:

@@ -11,7 +11,6 @@ from grpc import aio
 
 from lorad.server import validation as v
 from lorad.server.errors import InvalidArgument, Unauthenticated
-from lorad.server.gate import Write
 from lorad.server.init_adapter import with_init_adapter
 from lorad.server.records import JobSpec
 from lorad.server.rpc import convert as cv
@@ -155,8 +154,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         return jobs_pb2.CreateScheduleResponse(schedule=cv.schedule_pb(sched))
 
     def _add_schedule(self, app_id: str, spec: JobSpec) -> Any:
-        with self.s.gate.writing(app_id, Write.JOB):  # checked and stored with no deletion of the data in between
-            self.s.manager.require_inputs(app_id, spec)
+        with self.s.manager.adding(app_id, spec):
             assert self.scheduler is not None
             return self.scheduler.add_schedule(app_id, spec)
 

@@ -8,6 +8,7 @@ firings into one; a misfire grace of hours means a phone asleep at 02:30 still t
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import zoneinfo
 from datetime import datetime
@@ -25,7 +26,7 @@ from lorad.server.store.schedules import ScheduleRepo
 
 log = structlog.get_logger(__name__)
 
-FIRE_RETRY_S = 1.0  # a schedule firing while a deletion runs in its app asks again this often…
+FIRE_RETRY_S = 1.0  # a schedule firing while a deletion of what it reads runs asks again this often…
 FIRE_PATIENCE_S = 600.0  # …this long (a deletion stops a job and purges rows: seconds, rarely minutes)
 
 _active: WindowScheduler | None = None  # the job store pickles a textual reference to `fire`, not the instance
@@ -129,29 +130,39 @@ class WindowScheduler:
                 self.manager.open_window(ident)
                 log.info("window_opened", job_id=ident)
             elif kind == "schedule":
-                self._fire_schedule(ident)
+                stamp = datetime.now().strftime("%Y%m%dT%H%M")  # one request id for the firing, however often tried
+                self._fire_schedule(ident, stamp, time.monotonic() + FIRE_PATIENCE_S)
         except LoradError as exc:  # e.g. quota reached or dataset deleted: skip this night, keep the schedule
             log.warning("window_fire_skipped", kind=kind, id=ident, error=str(exc)[:200])
 
-    def _fire_schedule(self, ident: str) -> None:
-        stamp = datetime.now().strftime("%Y%m%dT%H%M")  # one request id for the firing, however often it asks
-        deadline = time.monotonic() + FIRE_PATIENCE_S
-        while True:
-            try:
-                s = self.schedules.get(ident)
-            except NotFound:  # deleted while its window stayed registered (a crash mid-ForgetApp, a deletion just now)
-                self.remove(f"schedule:{ident}")
-                return
-            spec = dataclasses.replace(s.spec, window=None)
-            try:
-                job = self.manager.create(s.app_id, f"schedule:{ident}:{stamp}", spec, schedule_id=ident)
-            except Aborted:  # a deletion runs in the app; it may delete this schedule too: ask again once it ended
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(FIRE_RETRY_S)
-                continue
-            log.info("schedule_fired", schedule_id=ident, job_id=job.job_id, app_id=s.app_id)
+    def _fire_schedule(self, ident: str, stamp: str, deadline: float) -> None:
+        try:
+            s = self.schedules.get(ident)
+        except NotFound:  # deleted while its window stayed registered (a crash mid-ForgetApp, a deletion just now)
+            self.remove(f"schedule:{ident}")
             return
+        spec = dataclasses.replace(s.spec, window=None)
+        try:
+            job = self.manager.create(s.app_id, f"schedule:{ident}:{stamp}", spec, schedule_id=ident)
+        except Aborted:
+            # A deletion of what the schedule reads is running (and may delete the schedule too): ask again once it
+            # ended, from a timer thread of its own: sleeping here would hold a thread of the pool the RPCs run on.
+            if time.monotonic() > deadline or not self.aps.running:
+                raise
+            log.info("schedule_fire_deferred", schedule_id=ident, retry_s=FIRE_RETRY_S)
+            retry = threading.Timer(FIRE_RETRY_S, self._retry_fire, (ident, stamp, deadline))
+            retry.daemon = True
+            retry.start()
+            return
+        log.info("schedule_fired", schedule_id=ident, job_id=job.job_id, app_id=s.app_id)
+
+    def _retry_fire(self, ident: str, stamp: str, deadline: float) -> None:
+        if not self.aps.running:  # the daemon stopped meanwhile: the missed firing is coalesced at the next start
+            return
+        try:
+            self._fire_schedule(ident, stamp, deadline)
+        except LoradError as exc:
+            log.warning("window_fire_skipped", kind="schedule", id=ident, error=str(exc)[:200])
 
 
 def describe(aps: Any) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,26 +79,31 @@ def test_writes_racing_delete_dataset_are_refused_and_nothing_outlives_it(make_d
     assert code == grpc.StatusCode.ABORTED and "'diary' is being deleted" in msg, (code, msg)
     assert append(app, "mail").duplicate_count > 0, "another dataset of the app takes samples meanwhile"
     assert append(other, "diary").accepted_count > 0, "so does another app's dataset of the same name"
-    nightly = jobs_pb2.CreateScheduleRequest(
-        dataset_ids=["mail"], window=common_pb2.TrainingWindow(cron="30 2 * * *"), config=tiny_config(steps=2)
-    )
+
+    def nightly(dataset: str) -> jobs_pb2.CreateScheduleRequest:
+        win = common_pb2.TrainingWindow(cron="30 2 * * *")
+        return jobs_pb2.CreateScheduleRequest(dataset_ids=[dataset], window=win, config=tiny_config(steps=2))
+
     for make in (
-        lambda: create_job(app, "r2", ("mail",), steps=2, init_adapter_id=learned),
-        lambda: create_job(app, "r3", ("mail",), steps=2),
-        lambda: app.jobs.CreateSchedule(nightly, metadata=app.md),
+        lambda: create_job(app, "r2", ("mail",), steps=2, init_adapter_id=learned),  # from an adapter of the line
+        lambda: create_job(app, "r3", ("diary",), steps=2),  # reading it
+        lambda: app.jobs.CreateSchedule(nightly("diary"), metadata=app.md),
     ):
         code, msg, _ = code_of(make)
         assert code == grpc.StatusCode.ABORTED and "'diary'" in msg, (code, msg)
+    # Neither reading the dataset nor starting from an adapter: goes on.
+    kept = app.jobs.CreateSchedule(nightly("mail"), metadata=app.md).schedule
 
     go.set()
     r = deleting.result(timeout=120)
     assert (r.deleted_adapters, _adapters(app)) == (1, set())
     datasets = app.data.ListDatasets(data_pb2.ListDatasetsRequest(), metadata=app.md).datasets
     assert sorted(x.dataset_id for x in datasets) == ["mail"], "no sample appended mid-deletion was kept"
-    jobs = app.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=app.md).jobs
-    assert len(jobs) == 1 and not app.jobs.ListSchedules(jobs_pb2.ListSchedulesRequest(), metadata=app.md).schedules
+    assert len(app.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=app.md).jobs) == 1
+    scheds = app.jobs.ListSchedules(jobs_pb2.ListSchedulesRequest(), metadata=app.md).schedules
+    assert [x.schedule_id for x in scheds] == [kept.schedule_id]
     assert append(app, "diary").accepted_count > 0, "once it returned, the name starts a new dataset"
-    create_job(app, "r3", ("mail",), steps=2)  # and jobs may be created again
+    app.jobs.CreateSchedule(nightly("diary"), metadata=app.md)  # and jobs on it may be created again
 
 
 def test_writes_racing_forget_app_are_refused(make_daemon: Any) -> None:
@@ -180,19 +186,26 @@ def test_a_schedule_firing_during_a_deletion_creates_its_job_once_the_deletion_e
     append(app, "diary")
     append(app, "mail")
     _trained(app, "r1", "diary")  # a reader: the deletion stops it first, where the test holds it
+    on_mail = _trained(app, "r2", "mail")
     nightly = jobs_pb2.CreateScheduleRequest(
-        dataset_ids=["mail"], window=common_pb2.TrainingWindow(cron="30 2 * * *"), config=tiny_config(steps=2)
-    )
-    sched = app.jobs.CreateSchedule(nightly, metadata=app.md).schedule
+        dataset_ids=["mail"], window=common_pb2.TrainingWindow(cron="30 2 * * *"),
+        config=tiny_config(steps=2, init_adapter_id=on_mail),
+    )  # fmt: skip
+    sched = app.jobs.CreateSchedule(nightly, metadata=app.md).schedule  # from an adapter: waits for such a deletion
     entered, go = _hold_deletions(d)
-    deleting = app.data.DeleteDataset.future(data_pb2.DeleteDatasetRequest(dataset_id="diary"), metadata=app.md)
+    req = data_pb2.DeleteDatasetRequest(dataset_id="diary", delete_adapters=True)
+    deleting = app.data.DeleteDataset.future(req, metadata=app.md)
     assert entered.wait(30)
-    firing = threading.Thread(target=d.daemon.scheduler.on_fire, args=("schedule", sched.schedule_id))
-    firing.start()  # as APScheduler calls it: on a thread of its own
-    firing.join(1.5)
-    assert firing.is_alive(), "the firing gave up (or created its job) while the deletion ran"
+    d.daemon.scheduler.on_fire("schedule", sched.schedule_id)  # returns at once: it asks again from a timer
+
+    def scheduled() -> list[str]:
+        jobs = app.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=app.md).jobs
+        return [j.schedule_id for j in jobs if j.schedule_id]
+
+    time.sleep(1.5)
+    assert scheduled() == [], "a job reading mail was created during the deletion of diary"
     go.set()
     deleting.result(timeout=120)
-    firing.join(30)
-    jobs = app.jobs.ListJobs(jobs_pb2.ListJobsRequest(), metadata=app.md).jobs
-    assert [j.schedule_id for j in jobs if j.schedule_id] == [sched.schedule_id], "the night's job was skipped"
+    assert wait_for(scheduled, 30, "the night's job") == [sched.schedule_id]
+    time.sleep(1.5)
+    assert scheduled() == [sched.schedule_id], "the firing created more than one job"

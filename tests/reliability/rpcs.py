@@ -14,7 +14,7 @@ MODULES = (apps_pb2, data_pb2, jobs_pb2, adapters_pb2, inference_pb2, device_pb2
 DOCUMENTED = {
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ABORTED,
 }  # fmt: skip
 
 

@@ -91,7 +91,7 @@ class AdapterServiceServicer:
     def DeleteAdapter(self, request, context):
         """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
         starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
-        stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+        stay. While it runs, CreateJob and CreateSchedule from this adapter fail with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,7 +44,7 @@ class AdapterServiceStub:
     DeleteAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]
     """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
     starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
-    stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+    stay. While it runs, CreateJob and CreateSchedule from this adapter fail with ABORTED.
     """
     ImportAdapter: _grpc.StreamUnaryMultiCallable[_adapters_pb2.ImportAdapterRequest, _adapters_pb2.ImportAdapterResponse]
     """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
@@ -70,7 +70,7 @@ class AdapterServiceAsyncStub(AdapterServiceStub):
     DeleteAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]  # type: ignore[assignment]
     """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
     starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
-    stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+    stay. While it runs, CreateJob and CreateSchedule from this adapter fail with ABORTED.
     """
     ImportAdapter: _aio.StreamUnaryMultiCallable[_adapters_pb2.ImportAdapterRequest, _adapters_pb2.ImportAdapterResponse]  # type: ignore[assignment]
     """Stores an adapter made elsewhere (e.g. a federated global adapter) in the calling app's registry, so a job can
@@ -117,7 +117,7 @@ class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_adapters_pb2.DeleteAdapterResponse, _abc.Awaitable[_adapters_pb2.DeleteAdapterResponse]]:
         """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
         starts from it (init_adapter_id), unless cancel_dependents is set; jobs that finished from it and their adapters
-        stay. While it runs, the app's CreateJob and CreateSchedule fail with ABORTED.
+        stay. While it runs, CreateJob and CreateSchedule from this adapter fail with ABORTED.
         """
 
     @_abc_1.abstractmethod

@@ -12,7 +12,9 @@ Conventions used by every service:
 - Errors: INVALID_ARGUMENT names the bad field (e.g. `samples[3].chat.messages[1].role`) and the allowed
   values; the field path is also sent in the trailing metadata key `lorad-error-field`.
   RESOURCE_EXHAUSTED for quotas and a full disk, FAILED_PRECONDITION for an illegal state transition (the
-  message names the current state), ALREADY_EXISTS for a reused request_id with a different payload.
+  message names the current state), ALREADY_EXISTS for a reused request_id with a different payload, ABORTED
+  for a write racing a deletion of the same data (DeleteDataset, DeleteAdapter, ForgetApp; send it again once
+  that returns).
 - Paging: `page_size` 0 means the server default (100); values above 1000 are clamped to 1000.
   `page_token` is opaque; pass `next_page_token` back unchanged; empty means the last page.
 - Identifiers chosen by callers (app ids, dataset ids) match `[a-z0-9][a-z0-9._-]{0,63}`: no path separators.

@@ -116,9 +116,10 @@ class DataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteDataset(self, request, context):
-        """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
-        FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
-        While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
+        """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay
+        unless delete_adapters is set. FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it,
+        unless cancel_dependents is set. While it runs, appends to the dataset and CreateJob and CreateSchedule that
+        read it (with delete_adapters: or start from an adapter) fail with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

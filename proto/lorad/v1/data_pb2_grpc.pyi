@@ -50,9 +50,10 @@ class DataServiceStub:
     ListSamples: _grpc.UnaryUnaryMultiCallable[_data_pb2.ListSamplesRequest, _data_pb2.ListSamplesResponse]
     """Lists the samples of one dataset, oldest first."""
     DeleteDataset: _grpc.UnaryUnaryMultiCallable[_data_pb2.DeleteDatasetRequest, _data_pb2.DeleteDatasetResponse]
-    """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
-    FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
-    While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
+    """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay
+    unless delete_adapters is set. FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it,
+    unless cancel_dependents is set. While it runs, appends to the dataset and CreateJob and CreateSchedule that
+    read it (with delete_adapters: or start from an adapter) fail with ABORTED.
     """
     ForgetApp: _grpc.UnaryUnaryMultiCallable[_data_pb2.ForgetAppRequest, _data_pb2.ForgetAppResponse]
     """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk. While
@@ -81,9 +82,10 @@ class DataServiceAsyncStub(DataServiceStub):
     ListSamples: _aio.UnaryUnaryMultiCallable[_data_pb2.ListSamplesRequest, _data_pb2.ListSamplesResponse]  # type: ignore[assignment]
     """Lists the samples of one dataset, oldest first."""
     DeleteDataset: _aio.UnaryUnaryMultiCallable[_data_pb2.DeleteDatasetRequest, _data_pb2.DeleteDatasetResponse]  # type: ignore[assignment]
-    """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
-    FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
-    While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
+    """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay
+    unless delete_adapters is set. FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it,
+    unless cancel_dependents is set. While it runs, appends to the dataset and CreateJob and CreateSchedule that
+    read it (with delete_adapters: or start from an adapter) fail with ABORTED.
     """
     ForgetApp: _aio.UnaryUnaryMultiCallable[_data_pb2.ForgetAppRequest, _data_pb2.ForgetAppResponse]  # type: ignore[assignment]
     """Forgets an app: cancels its jobs and deletes its samples, datasets, checkpoints and adapters from disk. While
@@ -145,9 +147,10 @@ class DataServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _data_pb2.DeleteDatasetRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_data_pb2.DeleteDatasetResponse, _abc.Awaitable[_data_pb2.DeleteDatasetResponse]]:
-        """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay.
-        FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it, unless cancel_dependents is set.
-        While it runs, appends to the dataset and the app's CreateJob and CreateSchedule fail with ABORTED.
+        """Deletes a dataset, its samples and the checkpoints of jobs that read it. Adapters already trained on it stay
+        unless delete_adapters is set. FAILED_PRECONDITION naming them if an unfinished job or a schedule reads it,
+        unless cancel_dependents is set. While it runs, appends to the dataset and CreateJob and CreateSchedule that
+        read it (with delete_adapters: or start from an adapter) fail with ABORTED.
         """
 
     @_abc_1.abstractmethod

@@ -103,8 +103,9 @@ class JobServiceServicer:
 
     def CreateJob(self, request, context):
         """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-        under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
-        (a new job might read the data or start from an adapter that learned from it); send again once it returns.
+        under the same request_id fails with ALREADY_EXISTS. ABORTED while a deletion of what it reads runs (DeleteDataset
+        of one of its datasets, and with delete_adapters of any init adapter; DeleteAdapter of its init adapter;
+        ForgetApp); send again once that returns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

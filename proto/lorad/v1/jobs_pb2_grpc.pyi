@@ -35,8 +35,9 @@ class JobServiceStub:
     def __new__(cls, channel: _aio.Channel) -> JobServiceAsyncStub: ...
     CreateJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.CreateJobRequest, _jobs_pb2.CreateJobResponse]
     """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-    under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
-    (a new job might read the data or start from an adapter that learned from it); send again once it returns.
+    under the same request_id fails with ALREADY_EXISTS. ABORTED while a deletion of what it reads runs (DeleteDataset
+    of one of its datasets, and with delete_adapters of any init adapter; DeleteAdapter of its init adapter;
+    ForgetApp); send again once that returns.
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_jobs_pb2.GetJobRequest, _jobs_pb2.GetJobResponse]
     """Gets one job."""
@@ -70,8 +71,9 @@ class JobServiceAsyncStub(JobServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.CreateJobRequest, _jobs_pb2.CreateJobResponse]  # type: ignore[assignment]
     """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-    under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
-    (a new job might read the data or start from an adapter that learned from it); send again once it returns.
+    under the same request_id fails with ALREADY_EXISTS. ABORTED while a deletion of what it reads runs (DeleteDataset
+    of one of its datasets, and with delete_adapters of any init adapter; DeleteAdapter of its init adapter;
+    ForgetApp); send again once that returns.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_jobs_pb2.GetJobRequest, _jobs_pb2.GetJobResponse]  # type: ignore[assignment]
     """Gets one job."""
@@ -108,8 +110,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_jobs_pb2.CreateJobResponse, _abc.Awaitable[_jobs_pb2.CreateJobResponse]]:
         """Creates a job. Idempotent on request_id: the same payload returns the existing job; a different payload
-        under the same request_id fails with ALREADY_EXISTS. ABORTED while DeleteDataset or ForgetApp runs for the app
-        (a new job might read the data or start from an adapter that learned from it); send again once it returns.
+        under the same request_id fails with ALREADY_EXISTS. ABORTED while a deletion of what it reads runs (DeleteDataset
+        of one of its datasets, and with delete_adapters of any init adapter; DeleteAdapter of its init adapter;
+        ForgetApp); send again once that returns.
         """
 
     @_abc_1.abstractmethod

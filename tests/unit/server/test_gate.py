@@ -12,29 +12,38 @@ from lorad.server.errors import Aborted
 from lorad.server.gate import DeletionGate, Write
 
 
-def _refused(gate: DeletionGate, app: str, write: Write, dataset: str = "") -> str:
-    with pytest.raises(Aborted) as info, gate.writing(app, write, dataset):
+def _refused(gate: DeletionGate, app: str, write: Write, dataset: str = "", init: str = "") -> str:
+    with pytest.raises(Aborted) as info, gate.writing(app, write, (dataset,) if dataset else (), init):
         pass
     return str(info.value)
 
 
-def _allowed(gate: DeletionGate, app: str, write: Write, dataset: str = "") -> None:
-    with gate.writing(app, write, dataset):
+def _allowed(gate: DeletionGate, app: str, write: Write, dataset: str = "", init: str = "") -> None:
+    with gate.writing(app, write, (dataset,) if dataset else (), init):
         pass
 
 
-def test_deleting_a_dataset_refuses_its_samples_and_the_apps_new_jobs_only() -> None:
+def test_deleting_a_dataset_refuses_its_samples_and_the_jobs_reading_it() -> None:
     gate = DeletionGate()
     with gate.deleting("a", dataset_id="diary"):
         assert "dataset 'diary' is being deleted" in _refused(gate, "a", Write.SAMPLES, "diary")
-        msg = _refused(gate, "a", Write.JOB)
+        msg = _refused(gate, "a", Write.JOB, "diary")
         assert "'diary'" in msg and "job or schedule" in msg, msg
+        _allowed(gate, "a", Write.JOB, "mail", init="adp_1")  # without delete_adapters no adapter goes
         _allowed(gate, "a", Write.SAMPLES, "mail")  # another dataset of the app
         _allowed(gate, "a", Write.ADAPTER)
         _allowed(gate, "b", Write.SAMPLES, "diary")  # another app's dataset of the same name
-        _allowed(gate, "b", Write.JOB)
+        _allowed(gate, "b", Write.JOB, "diary")
     _allowed(gate, "a", Write.SAMPLES, "diary")  # over: a new dataset of that name may start
-    _allowed(gate, "a", Write.JOB)
+    _allowed(gate, "a", Write.JOB, "diary")
+
+
+def test_deleting_a_dataset_with_its_adapters_refuses_every_job_from_an_adapter() -> None:
+    gate = DeletionGate()
+    with gate.deleting("a", dataset_id="diary", with_adapters=True):
+        _refused(gate, "a", Write.JOB, "mail", init="adp_1")  # the line is known only once its jobs stopped
+        _allowed(gate, "a", Write.JOB, "mail")
+        _allowed(gate, "b", Write.JOB, "mail", init="adp_1")
 
 
 def test_forgetting_an_app_refuses_all_its_writes() -> None:
@@ -46,15 +55,17 @@ def test_forgetting_an_app_refuses_all_its_writes() -> None:
     _allowed(gate, "a", Write.ADAPTER)
 
 
-def test_deleting_an_adapter_refuses_the_apps_new_jobs_only() -> None:
+def test_deleting_an_adapter_refuses_the_jobs_starting_from_it_only() -> None:
     gate = DeletionGate()
     with gate.deleting("a", adapter_id="adp_1"):
-        msg = _refused(gate, "a", Write.JOB)
+        msg = _refused(gate, "a", Write.JOB, "diary", init="adp_1")
         assert "adapter 'adp_1' is being deleted" in msg, msg
+        _allowed(gate, "a", Write.JOB, "diary", init="adp_2")
+        _allowed(gate, "a", Write.JOB, "diary")
         _allowed(gate, "a", Write.SAMPLES, "diary")
         _allowed(gate, "a", Write.ADAPTER)
-        _allowed(gate, "b", Write.JOB)
-    _allowed(gate, "a", Write.JOB)
+        _allowed(gate, "b", Write.JOB, "diary", init="adp_1")
+    _allowed(gate, "a", Write.JOB, "diary", init="adp_1")
 
 
 def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
@@ -63,7 +74,7 @@ def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
     order: list[str] = []
 
     def write() -> None:
-        with gate.writing("a", Write.SAMPLES, "diary"):
+        with gate.writing("a", Write.SAMPLES, ("diary",)):
             writing.set()
             finish.wait(10)
             order.append("write")
@@ -89,7 +100,7 @@ def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
 
 def test_a_deletion_does_not_wait_for_writes_it_does_not_conflict_with() -> None:
     gate = DeletionGate()
-    with gate.writing("a", Write.SAMPLES, "mail"), gate.writing("b", Write.JOB):
+    with gate.writing("a", Write.SAMPLES, ("mail",)), gate.writing("b", Write.JOB, ("diary",)):
         done = threading.Event()
 
         def delete() -> None:
