@@ -27,6 +27,7 @@ class Write(enum.Enum):
     SAMPLES = "samples"  # to one dataset: conflicts with deleting that dataset, or the app's data
     JOB = "job"  # a job or schedule: conflicts with deleting a dataset it reads or the adapter it starts from
     ADAPTER = "adapter"  # an imported adapter: conflicts with forgetting the app only
+    EXPORT = "export"  # a file built from an adapter (DownloadAdapter): conflicts with any deletion of the adapter
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +35,7 @@ class _Write:
     app_id: str
     write: Write
     dataset_ids: tuple[str, ...]  # SAMPLES: the one appended to; JOB: those it reads
-    init_adapter_id: str  # JOB: the adapter it starts from
+    adapter_id: str  # JOB: the adapter it starts from; EXPORT: the adapter exported
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: two equal deletions may run at once and leave separately
@@ -50,14 +51,21 @@ class _Deletion:
         if self.dataset_id:
             if self.dataset_id in w.dataset_ids:
                 return w.write in (Write.SAMPLES, Write.JOB)
-            # Which adapters learned from the data is known only once the jobs on it stopped: any start from one
-            # waits (a job from an adapter that did not learn from it is refused for the seconds this takes).
-            return w.write is Write.JOB and self.with_adapters and bool(w.init_adapter_id)
+            # Which adapters learned from the data is known only once the jobs on it stopped: any start from or
+            # export of one waits (one that did not learn from it is refused for the seconds this takes).
+            return w.write in (Write.JOB, Write.EXPORT) and self.with_adapters and bool(w.adapter_id)
         if self.adapter_id:
-            return w.write is Write.JOB and w.init_adapter_id == self.adapter_id
+            return w.write in (Write.JOB, Write.EXPORT) and w.adapter_id == self.adapter_id
         return True
 
     def refusal(self, write: Write) -> Aborted:
+        if write is Write.EXPORT and (self.dataset_id or self.adapter_id):
+            what = (
+                f"adapter {self.adapter_id!r} is being deleted (DeleteAdapter)"
+                if self.adapter_id
+                else f"dataset {self.dataset_id!r} is being deleted with the adapters that learned from it"
+            )
+            return Aborted(f"{what}; download again once that call returns")
         if self.dataset_id and write is Write.SAMPLES:
             return Aborted(
                 f"dataset {self.dataset_id!r} is being deleted (DeleteDataset); samples sent once that call returns "
@@ -104,15 +112,15 @@ class DeletionGate:
 
     @contextmanager
     def writing(
-        self, app_id: str, write: Write, dataset_ids: tuple[str, ...] = (), init_adapter_id: str = ""
+        self, app_id: str, write: Write, dataset_ids: tuple[str, ...] = (), adapter_id: str = ""
     ) -> Iterator[None]:
-        """Runs a write of the app (to ``dataset_ids``, or a job reading them and starting from ``init_adapter_id``)
-        unless a deletion it conflicts with is running.
+        """Runs a write of the app (samples to ``dataset_ids``; a job reading them, starting from ``adapter_id``; an
+        export of ``adapter_id``) unless a deletion it conflicts with is running.
 
         Raises:
             Aborted: such a deletion is running (the message names it).
         """
-        w = _Write(app_id, write, tuple(dataset_ids), init_adapter_id)
+        w = _Write(app_id, write, tuple(dataset_ids), adapter_id)
         with self._cond:
             for d in self._deletions:
                 if d.conflicts(w):

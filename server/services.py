@@ -145,7 +145,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         profile,
         AppRegistry(apps),
         AppData(apps, samples, gate),
-        AdapterLibrary(adapters, layout, models, cfg.storage.export_cache_max_mb * 1024 * 1024),
+        AdapterLibrary(adapters, layout, models, gate, cfg.storage.export_cache_max_mb * 1024 * 1024),
         SpaceReserve(data),
         backend,
         gate,

@@ -88,7 +88,7 @@ class JobManager:
             NotFound: a dataset or the init adapter is absent or another app's.
             Aborted: a deletion of one of them, or of all the app's data, is running.
         """
-        with self.gate.writing(app_id, Write.JOB, spec.dataset_ids, spec.init_adapter_id):
+        with self.gate.writing(app_id, Write.JOB, spec.dataset_ids, adapter_id=spec.init_adapter_id):
             self._require_inputs(app_id, spec)
             yield
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from lorad.client.federated.lora import peft_tar
+from lorad.server.errors import NotFound
 from lorad.server.records import JobState
 from lorad.v1 import adapters_pb2, common_pb2, data_pb2, jobs_pb2
 from tests.integration.helpers import (
@@ -209,3 +210,26 @@ def test_a_schedule_firing_during_a_deletion_creates_its_job_once_the_deletion_e
     assert wait_for(scheduled, 30, "the night's job") == [sched.schedule_id]
     time.sleep(1.5)
     assert scheduled() == [sched.schedule_id], "the firing created more than one job"
+
+
+def test_no_export_is_built_for_an_adapter_being_or_already_deleted(make_daemon: Any) -> None:
+    d = make_daemon()
+    app, _ = d.register("notes-app")
+    append(app, "diary")
+    adapter = _trained(app, "r1", "diary")
+    s = d.daemon.services
+    rec = s.library.get("notes-app", adapter)
+    pull = adapters_pb2.DownloadAdapterRequest(adapter_id=adapter, format=adapters_pb2.ADAPTER_FORMAT_GGUF)
+    entered, go = _hold_deletions(d)
+    forgetting = app.data.ForgetApp.future(data_pb2.ForgetAppRequest(), metadata=app.md)
+    assert entered.wait(30)
+    code, msg, _ = code_of(lambda: list(app.adapters.DownloadAdapter(pull, metadata=app.md)))
+    assert code == grpc.StatusCode.ABORTED and "being forgotten" in msg, (code, msg)
+    go.set()
+    forgetting.result(timeout=120)
+    folder = s.layout.adapter_dir("notes-app", adapter)
+    assert not folder.exists()
+    # A download that read the adapter's record before the deletion and builds after it: nothing is recreated.
+    with pytest.raises(NotFound):
+        s.library.export(rec, "gguf")
+    assert not folder.exists(), "an export rebuilt the deleted adapter's folder"

@@ -82,7 +82,8 @@ class AdapterServiceServicer:
 
     def DownloadAdapter(self, request, context):
         """Streams one adapter file: first a header (total size, sha256), then chunks of at most 1 MiB from
-        `read_offset`. To resume a broken download, call again with the number of bytes already received.
+        `read_offset`. To resume a broken download, call again with the number of bytes already received. ABORTED
+        while a deletion of the adapter runs (a file built then would outlive it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

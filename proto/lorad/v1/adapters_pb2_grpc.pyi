@@ -39,7 +39,8 @@ class AdapterServiceStub:
     """Gets one adapter."""
     DownloadAdapter: _grpc.UnaryStreamMultiCallable[_adapters_pb2.DownloadAdapterRequest, _adapters_pb2.DownloadAdapterResponse]
     """Streams one adapter file: first a header (total size, sha256), then chunks of at most 1 MiB from
-    `read_offset`. To resume a broken download, call again with the number of bytes already received.
+    `read_offset`. To resume a broken download, call again with the number of bytes already received. ABORTED
+    while a deletion of the adapter runs (a file built then would outlive it).
     """
     DeleteAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]
     """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
@@ -65,7 +66,8 @@ class AdapterServiceAsyncStub(AdapterServiceStub):
     """Gets one adapter."""
     DownloadAdapter: _aio.UnaryStreamMultiCallable[_adapters_pb2.DownloadAdapterRequest, _adapters_pb2.DownloadAdapterResponse]  # type: ignore[assignment]
     """Streams one adapter file: first a header (total size, sha256), then chunks of at most 1 MiB from
-    `read_offset`. To resume a broken download, call again with the number of bytes already received.
+    `read_offset`. To resume a broken download, call again with the number of bytes already received. ABORTED
+    while a deletion of the adapter runs (a file built then would outlive it).
     """
     DeleteAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.DeleteAdapterRequest, _adapters_pb2.DeleteAdapterResponse]  # type: ignore[assignment]
     """Deletes an adapter and its exported files. FAILED_PRECONDITION naming them if an unfinished job or a schedule
@@ -106,7 +108,8 @@ class AdapterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_adapters_pb2.DownloadAdapterResponse], _abc.AsyncIterator[_adapters_pb2.DownloadAdapterResponse]]:
         """Streams one adapter file: first a header (total size, sha256), then chunks of at most 1 MiB from
-        `read_offset`. To resume a broken download, call again with the number of bytes already received.
+        `read_offset`. To resume a broken download, call again with the number of bytes already received. ABORTED
+        while a deletion of the adapter runs (a file built then would outlive it).
         """
 
     @_abc_1.abstractmethod

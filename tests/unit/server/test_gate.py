@@ -13,13 +13,13 @@ from lorad.server.gate import DeletionGate, Write
 
 
 def _refused(gate: DeletionGate, app: str, write: Write, dataset: str = "", init: str = "") -> str:
-    with pytest.raises(Aborted) as info, gate.writing(app, write, (dataset,) if dataset else (), init):
+    with pytest.raises(Aborted) as info, gate.writing(app, write, (dataset,) if dataset else (), adapter_id=init):
         pass
     return str(info.value)
 
 
 def _allowed(gate: DeletionGate, app: str, write: Write, dataset: str = "", init: str = "") -> None:
-    with gate.writing(app, write, (dataset,) if dataset else (), init):
+    with gate.writing(app, write, (dataset,) if dataset else (), adapter_id=init):
         pass
 
 
@@ -66,6 +66,19 @@ def test_deleting_an_adapter_refuses_the_jobs_starting_from_it_only() -> None:
         _allowed(gate, "a", Write.ADAPTER)
         _allowed(gate, "b", Write.JOB, "diary", init="adp_1")
     _allowed(gate, "a", Write.JOB, "diary", init="adp_1")
+
+
+def test_an_export_waits_for_no_deletion_but_its_adapters() -> None:
+    gate = DeletionGate()
+    with gate.deleting("a", adapter_id="adp_1"):
+        assert "adapter 'adp_1' is being deleted" in _refused(gate, "a", Write.EXPORT, init="adp_1")
+        _allowed(gate, "a", Write.EXPORT, init="adp_2")
+    with gate.deleting("a", dataset_id="diary", with_adapters=True):
+        assert "download again" in _refused(gate, "a", Write.EXPORT, init="adp_2")
+    with gate.deleting("a", dataset_id="diary"):
+        _allowed(gate, "a", Write.EXPORT, init="adp_2")
+    with gate.deleting("a"):
+        _refused(gate, "a", Write.EXPORT, init="adp_2")
 
 
 def test_a_deletion_waits_for_the_conflicting_write_in_flight() -> None:
