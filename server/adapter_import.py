@@ -56,11 +56,17 @@ class Upload:
     """Receives the chunks into a temp file under the app's directory, counting bytes and hashing."""
 
     def __init__(self, s: Services, app_id: str, header: ImportHeader) -> None:
+        """Opens the temp file.
+
+        Raises:
+            Aborted: the app is being forgotten (its folder is going).
+        """
         self.header = header
         base = s.layout.app_dir(app_id) / "imports"
-        base.mkdir(parents=True, exist_ok=True)
-        self.path = base / f".tmp-{new_id('imp')}.tar"
-        self._f = self.path.open("wb")
+        with s.gate.writing(app_id, Write.ADAPTER):  # refused before any byte is sent while the app is forgotten
+            base.mkdir(parents=True, exist_ok=True)
+            self.path = base / f".tmp-{new_id('imp')}.tar"
+            self._f = self.path.open("wb")
         self._h = hashlib.sha256()
         self.size = 0
 
