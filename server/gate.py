@@ -98,7 +98,8 @@ class DeletionGate:
     ) -> Iterator[None]:
         """Runs a deletion of ``dataset_id`` (and the adapters that learned from it, ``with_adapters``) or of
         ``adapter_id`` (neither: all the app's data) once no conflicting write is in flight; conflicting writes are
-        refused until it ends. Waiting is short: a write is one transaction or one import."""
+        refused until it ends. A write is one transaction, one import or one export build (a merged model: seconds).
+        """
         d = _Deletion(app_id, dataset_id, with_adapters, adapter_id)
         try:
             with self._cond:
