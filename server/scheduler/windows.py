@@ -157,7 +157,8 @@ class WindowScheduler:
         log.info("schedule_fired", schedule_id=ident, job_id=job.job_id, app_id=s.app_id)
 
     def _retry_fire(self, ident: str, stamp: str, deadline: float) -> None:
-        if not self.aps.running:  # the daemon stopped meanwhile: the missed firing is coalesced at the next start
+        if not self.aps.running:  # the daemon is stopping: this firing is dropped, like any fired during a stop
+            log.warning("window_fire_skipped", kind="schedule", id=ident, error="the daemon stopped")
             return
         try:
             self._fire_schedule(ident, stamp, deadline)
