@@ -157,14 +157,14 @@ def lineage(s: Services, app_id: str, dataset_id: str, *, through_adapters: bool
     return Lineage([j for j in jobs if j.job_id in learned], frozenset(adapter_ids))
 
 
-def dependents(s: Services, app_id: str, line: Lineage, dataset_id: str) -> tuple[list[Job], list[str]]:
-    """The unfinished jobs of ``line`` and the app's schedules that read ``dataset_id`` or start from one of its
-    adapters: what deleting the dataset (and the line's adapters) cancels."""
+def dependents(s: Services, app_id: str, line: Lineage, dataset_id: str = "") -> tuple[list[Job], list[str]]:
+    """The unfinished jobs of ``line`` and the app's schedules that read ``dataset_id`` (if given) or start from one
+    of its adapters: what deleting the dataset (and the line's adapters) cancels."""
     jobs = [j for j in line.jobs if j.state in ACTIVE_STATES]
     scheds = [
         x.schedule_id
         for x in s.schedules.for_app(app_id)
-        if dataset_id in x.spec.dataset_ids or x.spec.init_adapter_id in line.adapter_ids
+        if (dataset_id and dataset_id in x.spec.dataset_ids) or x.spec.init_adapter_id in line.adapter_ids
     ]
     return jobs, scheds
 
@@ -295,8 +295,8 @@ def delete_adapter(
     """
     s.library.get(app_id, adapter_id)
     with s.gate.deleting(app_id, adapter_id=adapter_id):  # no job or schedule from it appears meanwhile
-        jobs = [j for j in s.jobs.of_app(app_id) if j.spec.init_adapter_id == adapter_id and j.state in ACTIVE_STATES]
-        scheds = [x.schedule_id for x in s.schedules.for_app(app_id) if x.spec.init_adapter_id == adapter_id]
+        starting = [j for j in s.jobs.of_app(app_id) if j.spec.init_adapter_id == adapter_id]
+        jobs, scheds = dependents(s, app_id, Lineage(starting, frozenset({adapter_id})))
         if (jobs or scheds) and not cancel_dependents:
             raise _used_by(f"adapter {adapter_id!r}", jobs, scheds)
         for j in jobs:

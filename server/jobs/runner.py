@@ -457,12 +457,13 @@ class _Sink:
             self._record(EventKind.EVAL, progress)
 
     def checkpoint(self, step: int, path: Path, size_bytes: int, train_loss: float) -> None:
-        if any(c.step == step and c.path == str(path) for c in self.r.jobs.checkpoints(self.job_id)):
+        known = self.r.jobs.checkpoints(self.job_id)
+        if any(c.step == step and c.path == str(path) for c in known):
             return  # recorded when it was written; a resume reports the one it starts from again
         rec = CheckpointRec(new_id("ckpt"), self.job_id, step, now_ms(), size_bytes, train_loss, str(path))
         self.r.jobs.record(self.job_id, EventKind.CHECKPOINT, checkpoint=rec, message=f"checkpoint at step {step}")
         # The trainer keeps only the newest few files; forget records whose file is gone.
-        alive = [c.path for c in self.r.jobs.checkpoints(self.job_id) if Path(c.path).exists()]
+        alive = [c.path for c in (*known, rec) if Path(c.path).exists()]
         self.r.jobs.drop_checkpoints(self.job_id, keep_paths=alive)
         self.r.hub.notify()
 
