@@ -285,6 +285,11 @@ class Runner:
 
     def _run(self, job_id: str) -> None:
         job = self._get(job_id)
+        if job is not None and job.state is JobState.PAUSING:
+            # Told to stop (conditions lapsed, a user pause) between being started and this thread taking it up:
+            # nothing ran, nothing to checkpoint; finish the pause, or it would stay PAUSING with nobody on it.
+            self._paused(job_id)
+            return
         if job is None or job.state is not JobState.RUNNING:
             return
         structlog.contextvars.bind_contextvars(job_id=job_id, app_id=job.app_id)

@@ -155,3 +155,24 @@ def test_restart_names_the_checkpoint_file_the_job_resumes_from(world: World) ->
     r.start()
     assert "daemon restarted; resumes from checkpoint step 6" in world.messages(job.job_id)
     assert r.close(10)
+
+
+def test_a_job_told_to_stop_before_the_worker_took_it_up_finishes_its_pause(world: World) -> None:
+    # The stop lands between the start decision and the worker thread: here from the RUNNING hook, which reconcile
+    # calls under its lock, so the worker cannot have taken the job up yet (a charger unplugged at that instant).
+    r = world.runner()
+    job = world.job()
+
+    def stop_at_once(running: bool) -> None:
+        world.hook.append(running)
+        if running:
+            assert r.request_pause(job.job_id, JobState.PAUSED, Blocked.PAUSED_BY_USER, "paused by the user")
+
+    r.on_running = stop_at_once
+    r.start()
+    try:
+        _wait(lambda: world.jobs.get(job.job_id).state is JobState.PAUSED, "the pause to finish")
+        assert world.jobs.get(job.job_id).blocked is Blocked.PAUSED_BY_USER
+        assert world.requests == [], "a job stopped before it started ran a session"
+    finally:
+        r.close(5)
