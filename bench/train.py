@@ -378,6 +378,8 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
             "rss_after_load_mb": rss_load,
             "peak_rss_after_load_mb": peak_load,
             "clip_mode": clip_mode,
+            # torch's intra-op threads in a step (1 beside ORT's pool unless torch's idle workers sleep)
+            "step_torch_threads": loaded.model.torch_threads or a.threads,
             "overlap": overlap,
             **plan_info,
             "optim_ms_median": 1e3 * statistics.median(res.optim_times),
@@ -455,13 +457,19 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
 
 
 def run_worker(a: argparse.Namespace) -> None:
+    if a.worker not in PEFT_SYSTEMS:  # as `lorad serve` decides its backend: before torch loads
+        from lorad.server.backend import decide_backend
+
+        decide_backend(ALL_LORAD[a.worker][0])
     import torch
 
+    from lorad.kernels.cpu_threads import WAIT_POLICY
     from lorad.server.engine.api import malloc_in_use
 
     torch.set_num_threads(a.threads)
     out = worker_peft(a.worker, a) if a.worker in PEFT_SYSTEMS else worker_lorad(a.worker, a)
     out["torch_threads"] = torch.get_num_threads()
+    out["omp_wait_policy"] = os.environ.get(WAIT_POLICY, "libgomp default")
     out["malloc"] = malloc_in_use()
     print(MARK + json.dumps(out), flush=True)
 

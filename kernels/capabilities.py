@@ -31,6 +31,8 @@ class Capability:
         reference: the precision the planner measures against and a job loads at before planning.
         static_shapes: pads token counts to buckets (True) or takes any row count.
         runs_on_cpu: its products run on the host CPU (no queue hand-off, torch threads shared).
+        own_cpu_pool: its products run on a CPU thread pool of its own (ONNX Runtime's), not on torch's OpenMP
+            workers, which then must sleep when idle or stay single-threaded (``kernels.cpu_threads``).
         weight_dtypes: storage dtype per accepted precision.
         summary: one line for ``lorad status`` and the docs.
     """
@@ -42,6 +44,7 @@ class Capability:
     reference: str
     static_shapes: bool
     runs_on_cpu: bool
+    own_cpu_pool: bool
     weight_dtypes: dict[str, str]
     summary: str
 
@@ -83,6 +86,7 @@ CAPABILITIES: dict[str, Capability] = {
         reference="fp32",
         static_shapes=False,
         runs_on_cpu=True,
+        own_cpu_pool=False,
         weight_dtypes={
             "fp32": "float32",
             "bf16": "bfloat16",
@@ -104,6 +108,7 @@ CAPABILITIES: dict[str, Capability] = {
         reference="fp32",
         static_shapes=False,
         runs_on_cpu=True,
+        own_cpu_pool=True,
         weight_dtypes={"fp32": "float32", "w8a8": "int8"},
         summary="ONNX Runtime CPU EP: fp32 GEMM and int8 (VNNI) w8a8; one weight copy fed as a graph input",
     ),
@@ -115,6 +120,7 @@ CAPABILITIES: dict[str, Capability] = {
         reference="fp16",
         static_shapes=True,
         runs_on_cpu=False,
+        own_cpu_pool=False,
         weight_dtypes={"fp16": "float16", "w8a16": "int8", "w8a8": "int8", "w4a16": "int4"},
         summary="Qualcomm Hexagon NPU via onnxruntime-qnn (a simulator on x86_64); token buckets; fp16 and QDQ",
     ),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import structlog
 
 from lorad.kernels.capabilities import capability
+from lorad.kernels.cpu_threads import prefer_sleeping_workers
 from lorad.kernels.detect import BackendInfo, detect_backend
 
 log = structlog.get_logger(__name__)
@@ -60,11 +61,21 @@ class BackendDecision:
 def decide_backend(configured: str, *, qnn_bundle: bool = False) -> BackendDecision:
     """Probes the hardware (once per process) and decides the daemon's backend.
 
+    Called before torch loads (``lorad serve`` starts without it), so that torch's OpenMP workers can be told to
+    sleep when idle where the backend keeps a CPU pool of its own (``kernels.cpu_threads``).
+
     Args:
         configured: ``training.backend`` from the config ("auto" or a backend name).
         qnn_bundle: a QNN context bundle is configured (its sessions need the HTP).
     """
     requested = QNN_BUNDLE if qnn_bundle else configured
     decision = BackendDecision(detect_backend(requested), requested)
-    log.info("backend_decided", backend=decision.name, requested=requested, reason=decision.reason)
+    sleeping = prefer_sleeping_workers(decision.name)
+    log.info(
+        "backend_decided",
+        backend=decision.name,
+        requested=requested,
+        reason=decision.reason,
+        torch_idle_workers="sleep" if sleeping else "spin",
+    )
     return decision

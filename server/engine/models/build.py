@@ -11,15 +11,12 @@ import torch
 from torch import Tensor
 
 from lorad.kernels import LoRALinear, fused, make_frozen_linear
+from lorad.kernels.cpu_threads import torch_threads_for
 from lorad.server.engine.models.config import LoraConfig, ModelConfig
 from lorad.server.engine.models.heap import release_free_heap
 from lorad.server.engine.models.model import MLP, Attention, Block, CausalLM, Linear
 
 log = structlog.get_logger(__name__)
-
-# torch intra-op threads for the CPU-side ops (norms, RoPE, attention, LoRA terms) per backend; 0 = torch's own.
-# ort-cpu runs every frozen product on ORT's intra-op pool (all cores, no spinning), so torch stays single-threaded.
-CPU_SIDE_THREADS = {"ort-cpu": 1}
 
 
 def layer_precision(precision: Any, name: str) -> tuple[str, str | None]:
@@ -155,7 +152,7 @@ def build_model(
     else:
         embed = embed.to(torch.float32)
     model = CausalLM(cfg, lora, embed=embed, layers=blocks, norm=w("model.norm.weight"), lm_head=head)
-    model.torch_threads = CPU_SIDE_THREADS.get(backend, 0)
+    model.torch_threads = torch_threads_for(backend)
     log.info(
         "model_built",
         arch=cfg.arch,

@@ -224,8 +224,8 @@ class CausalLM(nn.Module):
         # steps: 0.98x, inside the noise). A torch bf16 head blocks its rows its own way (layers._BF16_HEAD_ROWS).
         self.loss_chunk = 64
         # torch intra-op threads while this model trains/evaluates (0 = leave torch's setting alone). build_model
-        # sets 1 on ort-cpu, whose own intra-op pool runs the frozen products: a second 2-thread OpenMP pool for
-        # the small CPU ops spins against it (2.1 vs 1.3-30 s per step, CPU 2.1 vs 2.3-24 s, on a loaded 2-core host).
+        # sets 1 on ort-cpu unless torch's idle OpenMP workers sleep (kernels.cpu_threads): spinning, they hold the
+        # cores ORT's own pool runs the frozen products on.
         self.torch_threads = 0
 
     def _rope_tables(self, start: int, t: int) -> tuple[Tensor, Tensor]:
