@@ -4,9 +4,9 @@ On ``ort-cpu`` every frozen product runs on ONNX Runtime's intra-op pool (all co
 left (attention, norms, RoPE, SwiGLU, the loss, the LoRA terms) runs on torch's OpenMP workers. libgomp lets an idle
 worker spin for a while before it sleeps, so after each torch op a spinning worker holds a core that ORT's worker then
 waits for. Two ways out: torch single-threaded between the products (what lorad did, leaving a core idle through a
-third of the step), or idle OpenMP workers that sleep at once (``OMP_WAIT_POLICY=PASSIVE``), which libgomp reads once,
-as it loads with torch. Measured on a 2-core AVX2 EPYC (SmolLM2, auto plan on ort-cpu fp32, 10 steps, 7 timed, one
-process per run, alternating):
+third of the step), or idle OpenMP workers that sleep at once (``OMP_WAIT_POLICY=PASSIVE``), which libgomp (and LLVM's
+libomp, which some torch builds carry) reads once, as it loads with torch. Measured on a 2-core AVX2 EPYC (SmolLM2,
+auto plan on ort-cpu fp32, 10 steps, 7 timed, one process per run, alternating):
 
 | torch threads, wait policy | quiet host: tok/s | cores busy | both cores taken by two other processes: tok/s |
 |---|---|---|---|
@@ -15,11 +15,12 @@ process per run, alternating):
 | 2, ``GOMP_SPINCOUNT=10000`` | 81.5-87.1 | 1.89 | 33.7 |
 | 2, libgomp's default | 57.8 | 1.94 | 15.2 |
 
-Passive is the one that never loses, so a process that will train on such a backend asks for it before torch loads
-(``prefer_sleeping_workers``: the daemon as it decides its backend, the benchmark's workers), and the model then
-trains with torch on every core (``torch_threads_for``). Backends whose products run on torch's own workers (torch
-itself, where spinning pays: torch fp32 training here ran 5-12 % slower with passive workers) or on an NPU keep
-libgomp's default. A user's own ``OMP_WAIT_POLICY`` is left alone and decides.
+Passive gains on a quiet host and holds its own on a busy one, where the spinning variants lose, so a process that
+will train on such a backend asks for it before torch loads (``prefer_sleeping_workers``: the daemon as it decides its
+backend, the benchmark's workers), and the model then trains with torch on every core (``torch_threads_for``).
+Backends whose products run on torch's own workers (torch itself, where spinning pays: torch fp32 training here ran
+5-12 % slower with passive workers) or on an NPU keep libgomp's default. A user's own ``OMP_WAIT_POLICY`` is left
+alone and decides.
 """
 
 from __future__ import annotations
