@@ -21,6 +21,10 @@ so every row's baselines run under the same conditions.
 The lorad systems run under the malloc ``lorad serve`` would use here (``training.allocator``'s default: tcmalloc
 where glibc Linux has it installed, server/allocator.py); the PEFT baselines under the system's malloc, as a user
 runs them, or with ``--baseline-malloc daemon`` under the same one. Every row names its malloc.
+
+lorad's trainer does not compute a packed sequence's trailing padding (``packing.trim_tail``); the PEFT baselines get
+the packed batches whole, as Hugging Face computes them, or with ``--baseline-trim`` the same trimmed batches. Every
+row reports the positions it computed per step (``positions_per_step``).
 """
 
 from __future__ import annotations
@@ -332,6 +336,8 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
     rss_load, peak_load = _rss_mb()
     data, tok = _data(loaded.checkpoint.path, cfg)
     trainer = Trainer(loaded.model, cfg, data, pad_id=tok.eos_id or 0)
+    fed: list[int] = []  # positions per training forward (the trainer trims trailing padding)
+    loaded.model.register_forward_pre_hook(lambda m, args: fed.append(int(args[0].shape[1])) if m.training else None)
     plan_info["model"] = loaded.checkpoint.path.name if source is not None else "SmolLM2-135M-Instruct"
     prof = None
     if a.profile:
@@ -384,6 +390,7 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
             **plan_info,
             "optim_ms_median": 1e3 * statistics.median(res.optim_times),
             "optim_wait_ms_median": 1e3 * statistics.median(res.optim_waits),
+            "positions_per_step": statistics.fmean(fed[-a.steps :]) if fed else None,
         },
     )
 
@@ -394,7 +401,7 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     import transformers as tf
     from safetensors.torch import load_file
 
-    from lorad.server.engine.api import BatchStream, eval_batches, lr_at, resolve, seed_everything
+    from lorad.server.engine.api import BatchStream, eval_batches, lr_at, resolve, seed_everything, trim_tail
 
     cfg = _train_cfg(a.steps, "torch", "fp32")
     seed_everything(SEED)
@@ -413,6 +420,9 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     data, tok = _data(model_dir, cfg)
     stream = BatchStream(data.train, seq_len=SEQ_LEN, batch_size=1, seed=SEED, pad_id=tok.eos_id or 0)
     held = eval_batches(data.eval, seq_len=SEQ_LEN, batch_size=1, pad_id=tok.eos_id or 0, max_batches=4)
+    trim = trim_tail if a.baseline_trim else lambda x, y: (x, y)
+    held = [trim(x, y) for x, y in held]
+    fed: list[int] = []
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=0.0)
     bf16 = system == "peft-bf16"
@@ -422,7 +432,8 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
         t, c = time.perf_counter(), time.process_time()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr=LR, steps=a.steps, warmup_steps=WARMUP_LR, schedule="cosine")
-        x, y = stream.next_batch()
+        x, y = trim(*stream.next_batch())
+        fed.append(int(x.shape[1]))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=x, labels=y).loss
         loss.backward()
@@ -452,6 +463,7 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
             "time_to_first_step_s": load_s + times[0] if times else None,
             "rss_after_load_mb": rss_load,
             "peak_rss_after_load_mb": peak_load,
+            "positions_per_step": statistics.fmean(fed),
         },
     )
 
@@ -494,6 +506,7 @@ def _spawn(
         "--threads",
         str(a.threads),
         *(["--model", a.model] if a.model else []),
+        *(["--baseline-trim"] if a.baseline_trim and system in PEFT_SYSTEMS else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     if system not in PEFT_SYSTEMS or a.baseline_malloc == "daemon":
@@ -637,6 +650,11 @@ def main() -> None:
         default="system",
         help="the PEFT baselines' malloc: the system's (default), or the one lorad serve uses here",
     )
+    ap.add_argument(
+        "--baseline-trim",
+        action="store_true",
+        help="feed the PEFT baselines the batches lorad's trainer computes (trailing padding cut) instead of whole",
+    )
     ap.add_argument("--busy", type=int, default=0, help="also time lorad-auto's first steps with N processes spinning")
     ap.add_argument(
         "--rounds",
@@ -689,7 +707,8 @@ def main() -> None:
         f"{a.model or 'SmolLM2-135M-Instruct'}, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on all 7 "
         "projections, "
         f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, {len(rounds)} round(s), "
-        f"total {time.perf_counter() - t0:.0f}s"
+        f"total {time.perf_counter() - t0:.0f}s; positions computed per step (of {SEQ_LEN}): "
+        + ", ".join(f"{r['system']} {r['positions_per_step']:.1f}" for r in rows if r.get("positions_per_step"))
     )
     for k, table in enumerate(tables):
         print(f"round {k + 1}" if len(tables) > 1 else "", table, sep="\n" if len(tables) > 1 else "")

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     )
     from lorad.server.engine.training.heartbeat import Heartbeat
     from lorad.server.engine.training.knobs import Knob
-    from lorad.server.engine.training.packing import BatchStream, eval_batches
+    from lorad.server.engine.training.packing import BatchStream, eval_batches, trim_tail
     from lorad.server.engine.training.precision import JobPlan, known_plan, plan_job, plans_here
     from lorad.server.engine.training.recipe import (
         RecipeResult,
@@ -119,7 +119,7 @@ _LAZY: dict[str, tuple[str, str]] = {
                                               "Sample", "TextSample", "prepare")},
     "Heartbeat": (_E + "training.heartbeat", "Heartbeat"),
     "Knob": (_E + "training.knobs", "Knob"),
-    **{n: (_E + "training.packing", n) for n in ("BatchStream", "eval_batches")},
+    **{n: (_E + "training.packing", n) for n in ("BatchStream", "eval_batches", "trim_tail")},
     **{n: (_E + "training.precision", n) for n in ("JobPlan", "known_plan", "plan_job", "plans_here")},
     **{n: (_E + "training.recipe", n) for n in ("RecipeResult", "resolve_backend", "resolve_precision", "run_recipe",
                                                 "seed_everything")},
@@ -220,5 +220,6 @@ __all__ = [
     "run_recipe",
     "save_adapter",
     "seed_everything",
+    "trim_tail",
     "warm_up",
 ]

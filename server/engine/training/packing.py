@@ -64,6 +64,33 @@ def target_count(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE).sum())
 
 
+# A trimmed micro-batch keeps a multiple of this many positions: whole 16-row blocks for the GEMM kernels and AMX
+# tiles, and at most seq_len / 16 distinct shapes for the per-shape caches (oneDNN primitives, causal masks).
+TRIM_MULTIPLE = 16
+
+
+def trim_tail(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch without the trailing positions no loss reads: a packed sequence ends in padding (a sample that
+    does not fit is never split), and attention is causal, so positions after the last labelled one change nothing
+    before them and get no gradient. Keeps the positions up to the batch's last label (it is predicted from the
+    position before it), rounded up to TRIM_MULTIPLE and at most the batch's length. The loss and every gradient
+    are those of the whole batch; only the GEMMs' summation order differs.
+
+    Args:
+        x: input ids [B, T].
+        y: labels [B, T] aligned with ``x`` (IGNORE where no loss).
+
+    Returns:
+        ``(x, y)`` cut to their first ``n`` positions (views), or unchanged when nothing trails or nothing is labelled.
+    """
+    labelled = (y != IGNORE).any(dim=0).nonzero()
+    if labelled.numel() == 0:
+        return x, y
+    t = int(y.shape[1])
+    n = min(t, -(-(int(labelled[-1]) + 1) // TRIM_MULTIPLE) * TRIM_MULTIPLE)
+    return (x, y) if n == t else (x[:, :n], y[:, :n])
+
+
 def to_batch(seqs: list[PackedSeq]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacks sequences into (input_ids[B, T], labels[B, T]) int64 tensors."""
     return (

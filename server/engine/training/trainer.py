@@ -19,7 +19,7 @@ from lorad.server.engine.training.config import TrainConfig
 from lorad.server.engine.training.data import PreparedData
 from lorad.server.engine.training.heartbeat import Heartbeat
 from lorad.server.engine.training.optim import LayerwiseAdamW, StepStats
-from lorad.server.engine.training.packing import BatchStream, eval_batches, target_count
+from lorad.server.engine.training.packing import BatchStream, eval_batches, target_count, trim_tail
 from lorad.server.engine.training.schedule import lr_at
 
 log = structlog.get_logger(__name__)
@@ -148,9 +148,12 @@ class Trainer:
         self.stream = BatchStream(
             data.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, pad_id=pad_id
         )
-        self.eval_set = eval_batches(
-            data.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size, pad_id=pad_id, max_batches=cfg.eval_batches
-        )
+        self.eval_set = [
+            trim_tail(x, y)
+            for x, y in eval_batches(
+                data.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size, pad_id=pad_id, max_batches=cfg.eval_batches
+            )
+        ]
         self.optim = LayerwiseAdamW(
             model.lora_groups(),
             lr=cfg.lr,
@@ -250,7 +253,7 @@ class Trainer:
 
     def _train_step(self, lr: float) -> tuple[float, float, float]:
         """The micro-batch loop of `train_step` (torch threads already set for the model's backend)."""
-        micro = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]
+        micro = [trim_tail(*self.stream.next_batch()) for _ in range(self.cfg.grad_accum)]
         counts = [target_count(y) for _, y in micro]
         total = sum(counts)
         loss_sum = 0.0

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from lorad.server.engine.training.data import ChatSample, DataError, Message, TextSample, is_eval, prepare, sample_hash
-from lorad.server.engine.training.packing import IGNORE, BatchStream, eval_batches, pack, target_count
+from lorad.server.engine.training.packing import (
+    IGNORE,
+    TRIM_MULTIPLE,
+    BatchStream,
+    eval_batches,
+    pack,
+    target_count,
+    trim_tail,
+)
 from tests.fixtures.tiny_lm import EOS, IM_END, CharTokenizer, corpus
 
 TOK = CharTokenizer()
@@ -127,3 +135,33 @@ def test_tiny_data_set_always_holds_one_sample_out() -> None:
     assert [s.sample_hash for s in d.eval] == [sample_hash(nearest)], "deterministic: the sample nearest the split"
     assert prepare(samples, TOK, seq_len=64, eval_fraction=0.0).report.eval_samples == 0, "0 means no held-out set"
     assert prepare(samples[:1], TOK, seq_len=64, eval_fraction=0.1).report.eval_samples == 0, "one sample trains"
+
+
+def _labels(t: int, last: list[int]) -> torch.Tensor:
+    """Labels [len(last), t]: row i labelled at positions 1..last[i] (none where last[i] < 1)."""
+    y = torch.full((len(last), t), IGNORE)
+    for i, n in enumerate(last):
+        if n >= 1:
+            y[i, 1 : n + 1] = 7
+    return y
+
+
+@pytest.mark.parametrize(
+    ("t", "last", "kept"),
+    [
+        (64, [37, 20], 48),  # the batch's last label decides, rounded up to whole blocks
+        (64, [47], 48),  # label at 47 is predicted from position 46: 48 positions, no more
+        (64, [48], 64),  # one position past a block boundary keeps the next block
+        (64, [63], 64),  # labelled to the end: nothing trails
+        (40, [33], 40),  # rounding never goes past the batch
+        (64, [0, 0], 64),  # nothing labelled: left alone (the trainer skips such a batch)
+    ],
+)
+def test_trim_tail_keeps_every_position_a_loss_reads(t: int, last: list[int], kept: int) -> None:
+    assert TRIM_MULTIPLE == 16
+    y = _labels(t, last)
+    x = torch.arange(y.numel()).view_as(y)
+    xt, yt = trim_tail(x, y)
+    assert xt.shape == yt.shape == (len(last), kept)
+    assert torch.equal(xt, x[:, :kept]) and torch.equal(yt, y[:, :kept])
+    assert target_count(yt) == target_count(y)
