@@ -71,9 +71,9 @@ TRIM_MULTIPLE = 16
 
 def trim_tail(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch without the trailing positions no loss reads: a packed sequence ends in padding (a sample that
-    does not fit is never split), and attention is causal, so positions after the last labelled one change nothing
-    before them and get no gradient. Keeps the positions up to the batch's last label (it is predicted from the
-    position before it), rounded up to TRIM_MULTIPLE and at most the batch's length. The loss and every gradient
+    fits in one sequence is never split), and attention is causal, so positions after the last labelled one change
+    nothing before them and get no gradient. Keeps the positions up to the batch's last label (it is predicted from
+    the position before it), rounded up to TRIM_MULTIPLE and at most the batch's length. The loss and every gradient
     are those of the whole batch; only the GEMMs' summation order differs.
 
     Args:
@@ -81,14 +81,13 @@ def trim_tail(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         y: labels [B, T] aligned with ``x`` (IGNORE where no loss).
 
     Returns:
-        ``(x, y)`` cut to their first ``n`` positions (views), or unchanged when nothing trails or nothing is labelled.
+        ``(x, y)`` cut to their first ``n`` positions (views); unchanged when nothing is labelled.
     """
     labelled = (y != IGNORE).any(dim=0).nonzero()
     if labelled.numel() == 0:
         return x, y
-    t = int(y.shape[1])
-    n = min(t, -(-(int(labelled[-1]) + 1) // TRIM_MULTIPLE) * TRIM_MULTIPLE)
-    return (x, y) if n == t else (x[:, :n], y[:, :n])
+    n = -(-(int(labelled[-1]) + 1) // TRIM_MULTIPLE) * TRIM_MULTIPLE
+    return x[:, :n], y[:, :n]  # a slice stops at the batch's length
 
 
 def to_batch(seqs: list[PackedSeq]) -> tuple[torch.Tensor, torch.Tensor]:
