@@ -40,6 +40,25 @@ def _adapter_dirs(layout: Layout, app_id: str) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
+def remove_unregistered_adapters(layout: Layout, registered: Callable[[str], set[str]]) -> list[Path]:
+    """Deletes adapter folders no record names (called at start, before anything can write one).
+
+    A kill between moving a finished or imported adapter into place and committing its record leaves such a folder:
+    nothing lists it, so nothing would ever delete it. ``registered(app_id)`` is the app's recorded adapter ids.
+    Returns the folders removed.
+    """
+    apps = layout.data_dir / "apps"
+    removed = []
+    for app in sorted(p for p in apps.iterdir() if p.is_dir()) if apps.is_dir() else []:
+        known = registered(app.name)
+        for folder in _adapter_dirs(layout, app.name):
+            if folder.name not in known:
+                remove_tree(folder)
+                removed.append(folder)
+                log.info("adapter_folder_unregistered_removed", app_id=app.name, folder=folder.name)
+    return removed
+
+
 def app_usage(layout: Layout, app_id: str, sample_bytes: int) -> AppUsage:
     """Walks the app's job and adapter folders (a few ms for a few adapters)."""
     adapters = _adapter_dirs(layout, app_id)

@@ -391,13 +391,12 @@ class Runner:
             size_bytes=tree_size(dest / "peft"),
             path=str(dest / "peft"),
         )
-        self.adapters.add(rec)
-        if not self._move(
-            job_id, ON_NPU, JobState.SUCCEEDED, Blocked.NONE, "", f"adapter {adapter_id} ready", adapter_id=adapter_id
-        ):
-            self.adapters.delete(job.app_id, adapter_id)
+        try:
+            self.jobs.succeed(job_id, ON_NPU, rec, f"adapter {adapter_id} ready")
+        except (FailedPrecondition, NotFound):  # cancelled or forgotten meanwhile: the newer decision stands
             remove_tree(dest)
             return
+        self.hub.notify()
         self._drop_checkpoints(job)
         log.info("job_succeeded", adapter_id=adapter_id, steps=art.steps)
 

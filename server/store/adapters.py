@@ -21,6 +21,16 @@ def _rec(r: sqlite3.Row) -> AdapterRec:
     return AdapterRec(**{k: r[k] for k in _COLUMNS}, **meta)
 
 
+def insert_adapter(c: sqlite3.Connection, rec: AdapterRec) -> None:
+    """Inserts the adapter's record inside the caller's transaction (its files are already in place)."""
+    meta = {k: v for k, v in dataclasses.asdict(rec).items() if k not in _COLUMNS}
+    c.execute(
+        "INSERT INTO adapters(adapter_id, app_id, job_id, meta, created_at_ms, size_bytes, path)"
+        " VALUES (?,?,?,?,?,?,?)",
+        (rec.adapter_id, rec.app_id, rec.job_id, dumps(meta), rec.created_at_ms, rec.size_bytes, rec.path),
+    )
+
+
 class AdapterRepo:
     """Adapter records; files live under the app's directory (see jobs/files.py)."""
 
@@ -28,14 +38,9 @@ class AdapterRepo:
         self.db = db
 
     def add(self, rec: AdapterRec) -> None:
-        """Registers a finished adapter (its files are already in place)."""
-        meta = {k: v for k, v in dataclasses.asdict(rec).items() if k not in _COLUMNS}
+        """Registers an imported adapter (its files are already in place; a job's adapter: ``JobRepo.succeed``)."""
         with self.db.tx() as c:
-            c.execute(
-                "INSERT INTO adapters(adapter_id, app_id, job_id, meta, created_at_ms, size_bytes, path)"
-                " VALUES (?,?,?,?,?,?,?)",
-                (rec.adapter_id, rec.app_id, rec.job_id, dumps(meta), rec.created_at_ms, rec.size_bytes, rec.path),
-            )
+            insert_adapter(c, rec)
 
     def get(self, app_id: str, adapter_id: str) -> AdapterRec:
         """One adapter of the app.
@@ -76,6 +81,11 @@ class AdapterRepo:
         with self.db.tx() as c:
             c.execute("DELETE FROM adapters WHERE adapter_id=?", (adapter_id,))
         return rec
+
+    def ids(self, app_id: str) -> set[str]:
+        """The app's adapter ids."""
+        with self.db.read() as c:
+            return {r[0] for r in c.execute("SELECT adapter_id FROM adapters WHERE app_id=?", (app_id,))}
 
     def all_for_app(self, app_id: str) -> list[AdapterRec]:
         """Every adapter of the app."""

@@ -9,6 +9,7 @@ from typing import Any
 from lorad.server.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 from lorad.server.records import (
     ACTIVE_STATES,
+    AdapterRec,
     Blocked,
     CheckpointRec,
     EventKind,
@@ -27,6 +28,7 @@ from lorad.server.store._codec import (
     spec_hash,
     spec_to_json,
 )
+from lorad.server.store.adapters import insert_adapter
 from lorad.server.store.db import (
     Database,
     decode_int_cursor,
@@ -105,6 +107,33 @@ def _load(c: sqlite3.Connection, job_id: str, app_id: str | None) -> Job:
     if row is None or (app_id is not None and row["app_id"] != app_id):
         raise NotFound("job", job_id)
     return _job(row)
+
+
+def _transition(  # noqa: PLR0917
+    c: sqlite3.Connection,
+    job_id: str,
+    app_id: str | None,
+    allowed_from: Collection[JobState],
+    to: JobState,
+    blocked: Blocked,
+    detail: str,
+    message: str,
+    fields: dict[str, Any],
+) -> tuple[Job, JobEvent | None]:
+    job = _load(c, job_id, app_id)
+    if job.state not in allowed_from:
+        raise FailedPrecondition(
+            f"job {job_id} is {job.state.name}; this needs one of {', '.join(sorted(s.name for s in allowed_from))}"
+        )
+    if to.final:
+        fields.setdefault("finished_at_ms", now_ms())
+    if to is JobState.RUNNING and not job.started_at_ms:
+        fields.setdefault("started_at_ms", now_ms())
+    same = job.state is to and job.blocked is blocked
+    cols = {"state": to.value, "blocked": blocked.value, "blocked_detail": detail, **fields}
+    c.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in cols)} WHERE job_id=?", (*cols.values(), job_id))
+    job = _load(c, job_id, None)
+    return job, None if same else _insert_event(c, job, EventKind.STATE_CHANGED, message)
 
 
 class JobRepo:
@@ -241,22 +270,22 @@ class JobRepo:
             FailedPrecondition: the current state is not in ``allowed_from`` (the message names it).
         """
         with self.db.tx() as c:
-            job = _load(c, job_id, app_id)
-            if job.state not in allowed_from:
-                raise FailedPrecondition(
-                    f"job {job_id} is {job.state.name}; this needs one of "
-                    f"{', '.join(sorted(s.name for s in allowed_from))}"
-                )
-            if to.final:
-                fields.setdefault("finished_at_ms", now_ms())
-            if to is JobState.RUNNING and not job.started_at_ms:
-                fields.setdefault("started_at_ms", now_ms())
-            same = job.state is to and job.blocked is blocked
-            cols = {"state": to.value, "blocked": blocked.value, "blocked_detail": detail, **fields}
-            c.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in cols)} WHERE job_id=?", (*cols.values(), job_id))
-            job = _load(c, job_id, None)
-            event = None if same else _insert_event(c, job, EventKind.STATE_CHANGED, message)
-        return job, event
+            return _transition(c, job_id, app_id, allowed_from, to, blocked, detail, message, fields)
+
+    def succeed(self, job_id: str, allowed_from: Collection[JobState], adapter: AdapterRec, message: str) -> Job:
+        """Registers the job's finished adapter and moves the job to SUCCEEDED in one transaction.
+
+        A kill leaves both or neither: never a listed adapter next to a job that resumes training and makes another.
+
+        Raises:
+            NotFound: the job is gone.
+            FailedPrecondition: the job's state is not in ``allowed_from`` (nothing is registered).
+        """
+        with self.db.tx() as c:
+            job, _ = _transition(c, job_id, None, allowed_from, JobState.SUCCEEDED, Blocked.NONE, "", message,
+                                 {"adapter_id": adapter.adapter_id})  # fmt: skip
+            insert_adapter(c, adapter)
+        return job
 
     def record(
         self,

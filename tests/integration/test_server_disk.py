@@ -78,3 +78,24 @@ def test_disk_usage_is_per_app_and_gc_removes_only_rebuildable_files(make_daemon
     r = _cli(tmp_path, d.data_dir, "gc", "--all")
     assert r.returncode == 0 and r.stdout.startswith("freed "), r.stderr
     assert _usage(d.owner()).cache_bytes == 0 and _usage(a).apps[0].export_bytes == 0
+
+
+def test_a_start_removes_adapter_folders_no_record_names(make_daemon: Any) -> None:
+    """What a kill between moving an adapter into place and committing its record leaves goes at the next start."""
+    d = make_daemon()
+    a, token = d.register("notes")
+    append(a)
+    done = wait_state(a, create_job(a, steps=2).job_id, FINAL, 120)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.error
+    d.stop()
+    adapters = d.data_dir / "apps" / "notes" / "adapters"
+    stray = adapters / "adp_killedbeforecommit" / "peft"
+    stray.mkdir(parents=True)
+    (stray / "adapter_model.safetensors").write_bytes(b"\0" * 4096)
+
+    d = make_daemon()
+    assert sorted(p.name for p in adapters.iterdir()) == [done.adapter_id]
+    a = d.stubs(token)
+    listed = a.adapters.ListAdapters(adapters_pb2.ListAdaptersRequest(), metadata=a.md).adapters
+    assert [x.adapter_id for x in listed] == [done.adapter_id]
+    assert _download(a, done.adapter_id, adapters_pb2.ADAPTER_FORMAT_PEFT), "the registered adapter is intact"

@@ -12,7 +12,7 @@ import pytest
 from lorad.server.device.probes import Readings
 from lorad.server.engine.training.config import job_config
 from lorad.server.jobs import EventHub, Layout, Runner
-from lorad.server.jobs.session import SessionOutcome, SessionRequest, SessionSink
+from lorad.server.jobs.session import AdapterArtifact, SessionOutcome, SessionRequest, SessionSink
 from lorad.server.records import Blocked, EventKind, Job, JobSpec, JobState, Quota, Requirements
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
 
@@ -176,3 +176,77 @@ def test_a_job_told_to_stop_before_the_worker_took_it_up_finishes_its_pause(worl
         assert world.requests == [], "a job stopped before it started ran a session"
     finally:
         r.close(5)
+
+
+class _Killed(BaseException):
+    """The daemon dying inside a transaction: like a kill -9, nothing after it in the transaction is committed."""
+
+
+def _artifact(folder: Path) -> AdapterArtifact:
+    folder.mkdir(parents=True)
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    return AdapterArtifact(folder, "tiny", "m" * 64, "t" * 64, 3, 1.0, 2.0, 1.5, 4)
+
+
+class Completing:
+    """A session that finishes at once with an adapter folder in the job's work dir."""
+
+    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
+        self.art = _artifact(self.work / f"out-{time.monotonic_ns()}")
+        return SessionOutcome(completed=True, adapter=self.art)
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+
+
+def test_a_kill_while_registering_the_adapter_leaves_neither_and_the_restart_makes_one(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter's record and the job's SUCCEEDED are one commit. Were they two, a kill between them would list an
+    adapter while the job, still RUNNING, resumed at the restart and made a second one (a reliability run saw it)."""
+    import lorad.server.store.jobs as job_store
+    from lorad.server.disk import remove_unregistered_adapters
+
+    adapters, layout = AdapterRepo(world.db), Layout(world.tmp)
+    job = world.job()
+    world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
+    real = job_store._insert_event
+
+    def dying(c: object, j: Job, *args: object, **kw: object) -> object:
+        if j.state is JobState.SUCCEEDED:
+            raise _Killed
+        return real(c, j, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(job_store, "_insert_event", dying)
+    with pytest.raises(_Killed):
+        world.runner()._succeed(job.job_id, _artifact(world.tmp / "first"))
+    monkeypatch.undo()
+    assert adapters.count("app") == 0
+    assert world.jobs.get(job.job_id).state is JobState.RUNNING
+    (moved,) = (layout.app_dir("app") / "adapters").iterdir()  # the folder was moved into place before the commit
+
+    # The next start: the unregistered folder goes, the job resumes and succeeds once.
+    assert remove_unregistered_adapters(layout, adapters.ids) == [moved]
+    r = Runner(world.jobs, SampleRepo(world.db), adapters, layout, lambda req: Completing(req.work_dir), EventHub(),
+               lambda: GOOD, 2)  # fmt: skip
+    r.start()
+    _wait(lambda: world.jobs.get(job.job_id).state is JobState.SUCCEEDED, "the resumed job to finish")
+    assert r.close(10)
+    done = world.jobs.get(job.job_id)
+    assert adapters.ids("app") == {done.adapter_id}
+    assert [p.name for p in (layout.app_dir("app") / "adapters").iterdir()] == [done.adapter_id]
+    assert sum(e.message == f"adapter {done.adapter_id} ready" for e in world.jobs.events(job.job_id, 0, 100)[0]) == 1
+
+
+def test_a_cancel_that_lands_while_the_adapter_is_moved_into_place_registers_nothing(world: World) -> None:
+    job = world.job()
+    world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
+    r = world.runner()
+    seen = world.jobs.get(job.job_id)
+    r._get = lambda _job_id: seen  # type: ignore[method-assign]  # the runner read RUNNING; the cancel came after
+    world.jobs.transition(job.job_id, (JobState.RUNNING,), JobState.CANCELLED)
+    r._succeed(job.job_id, _artifact(world.tmp / "late"))
+    got = world.jobs.get(job.job_id)
+    assert (got.state, got.adapter_id) == (JobState.CANCELLED, "")
+    assert AdapterRepo(world.db).count("app") == 0
+    assert list((Layout(world.tmp).app_dir("app") / "adapters").iterdir()) == []
