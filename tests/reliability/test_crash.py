@@ -93,6 +93,19 @@ def _check_disk(d: SubprocessDaemon, app_id: str) -> tuple[int, list[str]]:
     return newest, problems
 
 
+def _unregistered_adapter_folders(d: SubprocessDaemon, app_id: str) -> list[str]:
+    """Adapter folders on disk that no record names (the daemon's start removes what a kill left)."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{d.data_dir / 'lorad.sqlite'}?mode=ro", uri=True)
+    try:
+        known = {r[0] for r in conn.execute("SELECT adapter_id FROM adapters WHERE app_id=?", (app_id,))}
+    finally:
+        conn.close()
+    root = d.data_dir / "apps" / app_id / "adapters"
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in known) if root.is_dir() else []
+
+
 def _last_event_id(d: SubprocessDaemon) -> int:
     import sqlite3
 
@@ -135,6 +148,10 @@ def test_kill9_during_ingestion_and_training(tmp_path: Path, tiny_llama: Path, t
         assert not problems, f"after kill ({where}): {problems}"
         d.start()
         app = d.stubs(token)
+        stray = _unregistered_adapter_folders(d, "alpha")
+        if stray:
+            tally.violation(f"kill {where}: adapter folders no record names after the restart: {stray}")
+        assert not stray
         stored = all_samples(app, "ingest") if acked else {}
         lost = [sid for sid in acked if sid not in stored]
         changed = [sid for sid in acked if sid in stored and stored[sid].SerializeToString(deterministic=True)
