@@ -82,7 +82,10 @@ class Runner:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Recovers jobs that were on the NPU when the daemon stopped, then starts the worker."""
+        """Recovers what a stop or kill left, then starts the worker.
+
+        Jobs that were on the NPU are queued (or paused) again; succeeded and cancelled jobs' checkpoints are removed.
+        """
         from lorad.server.engine.api import checkpoint_dir, latest_checkpoint
 
         for job in self.jobs.in_states(ON_NPU):
@@ -108,6 +111,11 @@ class Runner:
                 checkpoint_step=ck.step if ck else None,
                 paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER,
             )
+        for job in self.jobs.in_states((JobState.SUCCEEDED, JobState.CANCELLED)):
+            # A kill after the final commit and before its checkpoints went: they go now (FAILED keeps them).
+            if self.layout.job_dir(job.app_id, job.job_id).exists():
+                self._drop_checkpoints(job)
+                log.info("job_leftovers_removed", job_id=job.job_id, state=job.state.value)
         self._thread.start()
         self.reconcile()
 

@@ -250,3 +250,27 @@ def test_a_cancel_that_lands_while_the_adapter_is_moved_into_place_registers_not
     assert (got.state, got.adapter_id) == (JobState.CANCELLED, "")
     assert AdapterRepo(world.db).count("app") == 0
     assert list((Layout(world.tmp).app_dir("app") / "adapters").iterdir()) == []
+
+
+@pytest.mark.parametrize("final", [JobState.SUCCEEDED, JobState.CANCELLED])
+def test_a_start_removes_the_checkpoints_a_kill_left_after_a_job_ended(world: World, final: JobState) -> None:
+    """Killed after the job's final commit, before its work folder went: the checkpoints (trained on the user's
+    data) go at the next start, files and records. A failed job keeps them."""
+    from lorad.server.records import CheckpointRec
+
+    layout = Layout(world.tmp)
+    ended, failed = world.job("ended"), world.job("failed")
+    for job, to in ((ended, final), (failed, JobState.FAILED)):
+        world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
+        ck = layout.job_dir("app", job.job_id) / "checkpoints" / "step-00000003.pt"
+        ck.parent.mkdir(parents=True)
+        ck.write_bytes(b"adapter state")
+        rec = CheckpointRec(f"ck-{job.job_id}", job.job_id, 3, 0, 13, 1.0, str(ck))
+        world.jobs.record(job.job_id, EventKind.CHECKPOINT, checkpoint=rec, message="checkpoint at step 3")
+        world.jobs.transition(job.job_id, (JobState.RUNNING,), to)
+    r = world.runner()
+    r.start()
+    assert r.close(10)
+    assert not layout.job_dir("app", ended.job_id).exists()
+    assert world.jobs.checkpoints(ended.job_id) == []
+    assert layout.job_dir("app", failed.job_id).is_dir() and len(world.jobs.checkpoints(failed.job_id)) == 1
