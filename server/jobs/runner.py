@@ -38,6 +38,7 @@ from lorad.server.records import (
 )
 from lorad.server.store import AdapterRepo, JobRepo, SampleRepo
 from lorad.server.store.db import new_id, now_ms
+from lorad.server.store.purge import is_disk_full
 
 log = structlog.get_logger(__name__)
 
@@ -279,8 +280,9 @@ class Runner:
                 continue
             try:
                 self._run(job_id)
-            except Exception:  # the runner must survive anything a job does
+            except Exception as exc:  # the runner must survive anything a job does
                 log.exception("runner_error", job_id=job_id)
+                self._fail_after(job_id, exc)
             with self._lock:
                 self._current, self._current_app, self._target = None, None, None
                 self._stop.clear()
@@ -351,6 +353,18 @@ class Runner:
             job_id, ON_NPU, JobState.FAILED, Blocked.NONE, "", f"failed: {code}", error_code=code, error_message=message
         )
 
+    def _fail_after(self, job_id: str, exc: Exception) -> None:
+        """Ends a job whose run raised outside its session (a store write, a file move): FAILED with the cause, never
+        RUNNING with no worker on it. If even that cannot be written, the next start queues the job again."""
+        if is_disk_full(exc):
+            code, message = "out_of_disk", "no space left on the device to record the job's result; free some space"
+        else:
+            code, message = "internal", f"{type(exc).__name__}: {scrub_paths(str(exc))[:300]}"
+        try:
+            self._fail(job_id, code, message)
+        except Exception:
+            log.exception("runner_failure_not_recorded", job_id=job_id)
+
     def _paused(self, job_id: str) -> None:
         with self._lock:
             to, blocked, detail = self._target or (JobState.WAITING, Blocked.NONE, "")
@@ -404,6 +418,9 @@ class Runner:
         except (FailedPrecondition, NotFound):  # cancelled or forgotten meanwhile: the newer decision stands
             remove_tree(dest)
             return
+        except Exception:  # not committed (a full disk): no record may ever name the folder
+            remove_tree(dest)
+            raise
         self.hub.notify()
         self._drop_checkpoints(job)
         log.info("job_succeeded", adapter_id=adapter_id, steps=art.steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -274,3 +275,37 @@ def test_a_start_removes_the_checkpoints_a_kill_left_after_a_job_ended(world: Wo
     assert not layout.job_dir("app", ended.job_id).exists()
     assert world.jobs.checkpoints(ended.job_id) == []
     assert layout.job_dir("app", failed.job_id).is_dir() and len(world.jobs.checkpoints(failed.job_id)) == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "says"),
+    [
+        (sqlite3.OperationalError("database or disk is full"), "out_of_disk", "no space left on the device"),
+        (RuntimeError("store exploded"), "internal", "RuntimeError: store exploded"),
+    ],
+    ids=["disk-full", "other"],
+)
+def test_a_job_whose_result_cannot_be_recorded_fails_with_the_cause(
+    world: World, monkeypatch: pytest.MonkeyPatch, error: Exception, code: str, says: str
+) -> None:
+    """The commit of a finished job raises: the job ends FAILED naming why (not RUNNING with no worker on it), and
+    the adapter folder moved into place for it goes."""
+    layout = Layout(world.tmp)
+
+    def failing(*_args: object, **_kw: object) -> None:
+        raise error
+
+    monkeypatch.setattr(world.jobs, "succeed", failing)
+    job = world.job()
+    r = Runner(world.jobs, SampleRepo(world.db), AdapterRepo(world.db), layout, lambda req: Completing(req.work_dir),
+               EventHub(), lambda: GOOD, 2)  # fmt: skip
+    r.start()
+    try:
+        _wait(lambda: world.jobs.get(job.job_id).state.final, "the job to end")
+    finally:
+        assert r.close(10)
+    got = world.jobs.get(job.job_id)
+    assert (got.state, got.error_code) == (JobState.FAILED, code)
+    assert says in got.error_message
+    assert AdapterRepo(world.db).count("app") == 0
+    assert list((layout.app_dir("app") / "adapters").iterdir()) == []
