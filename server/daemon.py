@@ -88,7 +88,7 @@ class Daemon:
         return self.cfg.socket_path.with_name(TCP_ADDRESS_FILE)
 
     async def start(self) -> None:
-        """Locks the data dir, opens the store, finishes interrupted deletions and adapter moves, recovers jobs, serves.
+        """Locks the data dir, opens the store, finishes what a kill interrupted, recovers jobs, starts serving.
 
         Raises:
             StartRefusedError: another daemon serves the data dir, or a directory is not private.
@@ -102,12 +102,12 @@ class Daemon:
             raise
 
     async def _start(self) -> None:
-        from lorad.server.disk import remove_unregistered_adapters
+        from lorad.server.disk import remove_stranded
         from lorad.server.forget import resume_pending
 
         s = self.services = await asyncio.to_thread(build_services, self.cfg, self._factory, self._probe)
         await asyncio.to_thread(resume_pending, s)  # an interrupted ForgetApp/DeleteDataset ends before any job runs
-        await asyncio.to_thread(remove_unregistered_adapters, s.layout, s.adapters.ids)
+        await asyncio.to_thread(remove_stranded, s.layout, s.adapters.ids)
         s.hub.bind(asyncio.get_running_loop())
         await asyncio.to_thread(s.monitor.read_now)
         await asyncio.to_thread(s.runner.start)

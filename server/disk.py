@@ -40,22 +40,30 @@ def _adapter_dirs(layout: Layout, app_id: str) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def remove_unregistered_adapters(layout: Layout, registered: Callable[[str], set[str]]) -> list[Path]:
-    """Deletes adapter folders no record names (called at start, before anything can write one).
+def remove_stranded(layout: Layout, registered: Callable[[str], set[str]]) -> list[Path]:
+    """Deletes what a kill left between a file operation and its commit (called at start, before anything writes).
 
-    A kill between moving a finished or imported adapter into place and committing its record leaves such a folder:
-    nothing lists it, so nothing would ever delete it. ``registered(app_id)`` is the app's recorded adapter ids.
-    Returns the folders removed.
+    - An adapter folder no record names: a kill between moving a finished or imported adapter into place and
+      committing its record, or between deleting a record and its folder. Nothing lists it, so nothing would ever
+      delete it. ``registered(app_id)`` is the app's recorded adapter ids.
+    - An export that was being built: its temp files (named with a leading dot) and the merged model's folder
+      (``<name>.d``, a whole model). The export cap counts only finished files, so these would stay until a gc.
+
+    Returns the paths removed.
     """
     apps = layout.data_dir / "apps"
     removed = []
     for app in sorted(p for p in apps.iterdir() if p.is_dir()) if apps.is_dir() else []:
         known = registered(app.name)
         for folder in _adapter_dirs(layout, app.name):
-            if folder.name not in known:
-                remove_tree(folder)
-                removed.append(folder)
-                log.info("adapter_folder_unregistered_removed", app_id=app.name, folder=folder.name)
+            exports = folder / "exports"
+            stale = [folder] if folder.name not in known else []
+            if not stale and exports.is_dir():
+                stale = sorted(p for p in exports.iterdir() if p.name.startswith(".") or p.is_dir())
+            for p in stale:
+                remove_tree(p)
+                removed.append(p)
+                log.info("stranded_files_removed", app_id=app.name, adapter=folder.name, name=p.name)
     return removed
 
 

@@ -80,22 +80,32 @@ def test_disk_usage_is_per_app_and_gc_removes_only_rebuildable_files(make_daemon
     assert _usage(d.owner()).cache_bytes == 0 and _usage(a).apps[0].export_bytes == 0
 
 
-def test_a_start_removes_adapter_folders_no_record_names(make_daemon: Any) -> None:
-    """What a kill between moving an adapter into place and committing its record leaves goes at the next start."""
+def test_a_start_removes_what_a_kill_stranded_and_keeps_the_rest(make_daemon: Any) -> None:
+    """Killed between moving an adapter into place and committing its record, or in the middle of building an
+    export: the next start removes the folder nothing lists and the export's temp files and merged-model folder,
+    and keeps the adapter and its finished exports."""
     d = make_daemon()
     a, token = d.register("notes")
     append(a)
     done = wait_state(a, create_job(a, steps=2).job_id, FINAL, 120)
     assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.error
+    peft = _download(a, done.adapter_id, adapters_pb2.ADAPTER_FORMAT_PEFT)
     d.stop()
     adapters = d.data_dir / "apps" / "notes" / "adapters"
+    exports = adapters / done.adapter_id / "exports"
+    finished = sorted(p.name for p in exports.iterdir())
     stray = adapters / "adp_killedbeforecommit" / "peft"
     stray.mkdir(parents=True)
     (stray / "adapter_model.safetensors").write_bytes(b"\0" * 4096)
+    (exports / f".tmp-{done.adapter_id}.merged.tar.x1y2").write_bytes(b"\0" * 4096)
+    half = exports / f"{done.adapter_id}.merged.tar.d"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"\0" * 4096)
 
     d = make_daemon()
     assert sorted(p.name for p in adapters.iterdir()) == [done.adapter_id]
+    assert sorted(p.name for p in exports.iterdir()) == finished
     a = d.stubs(token)
     listed = a.adapters.ListAdapters(adapters_pb2.ListAdaptersRequest(), metadata=a.md).adapters
     assert [x.adapter_id for x in listed] == [done.adapter_id]
-    assert _download(a, done.adapter_id, adapters_pb2.ADAPTER_FORMAT_PEFT), "the registered adapter is intact"
+    assert _download(a, done.adapter_id, adapters_pb2.ADAPTER_FORMAT_PEFT) == peft

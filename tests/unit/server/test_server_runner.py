@@ -206,7 +206,7 @@ def test_a_kill_while_registering_the_adapter_leaves_neither_and_the_restart_mak
     """The adapter's record and the job's SUCCEEDED are one commit. Were they two, a kill between them would list an
     adapter while the job, still RUNNING, resumed at the restart and made a second one (a reliability run saw it)."""
     import lorad.server.store.jobs as job_store
-    from lorad.server.disk import remove_unregistered_adapters
+    from lorad.server.disk import remove_stranded
 
     adapters, layout = AdapterRepo(world.db), Layout(world.tmp)
     job = world.job()
@@ -227,7 +227,7 @@ def test_a_kill_while_registering_the_adapter_leaves_neither_and_the_restart_mak
     (moved,) = (layout.app_dir("app") / "adapters").iterdir()  # the folder was moved into place before the commit
 
     # The next start: the unregistered folder goes, the job resumes and succeeds once.
-    assert remove_unregistered_adapters(layout, adapters.ids) == [moved]
+    assert remove_stranded(layout, adapters.ids) == [moved]
     r = Runner(world.jobs, SampleRepo(world.db), adapters, layout, lambda req: Completing(req.work_dir), EventHub(),
                lambda: GOOD, 2)  # fmt: skip
     r.start()
