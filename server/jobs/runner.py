@@ -378,13 +378,17 @@ class Runner:
         self._move(job_id, ON_NPU, to, blocked, detail, f"paused at step {step} ({detail or to.name})")
         log.info("job_paused", step=step, to=to.value)
 
+    def _discard(self, job_id: str, folder: Path) -> None:
+        """The job's adapter is not wanted (it was cancelled or forgotten meanwhile): its folder and checkpoints go."""
+        remove_tree(folder)
+        job = self._get(job_id)
+        if job is not None:
+            self._drop_checkpoints(job)
+
     def _succeed(self, job_id: str, art: AdapterArtifact) -> None:
         job = self._get(job_id)
         if job is None or job.state not in ON_NPU:
-            if art.path.exists():
-                remove_tree(art.path)
-            if job is not None:
-                self._drop_checkpoints(job)
+            self._discard(job_id, art.path)
             return
         adapter_id = new_id("adp")
         dest = self.layout.adapter_dir(job.app_id, adapter_id)
@@ -416,7 +420,7 @@ class Runner:
         try:
             self.jobs.succeed(job_id, ON_NPU, rec, f"adapter {adapter_id} ready")
         except (FailedPrecondition, NotFound):  # cancelled or forgotten meanwhile: the newer decision stands
-            remove_tree(dest)
+            self._discard(job_id, dest)
             return
         except Exception:  # not committed (a full disk): no record may ever name the folder
             remove_tree(dest)

@@ -243,14 +243,20 @@ def test_a_cancel_that_lands_while_the_adapter_is_moved_into_place_registers_not
     job = world.job()
     world.jobs.transition(job.job_id, (JobState.QUEUED,), JobState.RUNNING)
     r = world.runner()
+    layout = Layout(world.tmp)
+    ck = layout.job_dir("app", job.job_id) / "checkpoints" / "step-00000003.pt"
+    ck.parent.mkdir(parents=True)
+    ck.write_bytes(b"adapter state")
     seen = world.jobs.get(job.job_id)
-    r._get = lambda _job_id: seen  # type: ignore[method-assign]  # the runner read RUNNING; the cancel came after
+    reads = iter([seen])  # the runner read RUNNING; the cancel came after
+    r._get = lambda job_id: next(reads, None) or world.jobs.get(job_id)  # type: ignore[method-assign]
     world.jobs.transition(job.job_id, (JobState.RUNNING,), JobState.CANCELLED)
     r._succeed(job.job_id, _artifact(world.tmp / "late"))
     got = world.jobs.get(job.job_id)
     assert (got.state, got.adapter_id) == (JobState.CANCELLED, "")
     assert AdapterRepo(world.db).count("app") == 0
-    assert list((Layout(world.tmp).app_dir("app") / "adapters").iterdir()) == []
+    assert list((layout.app_dir("app") / "adapters").iterdir()) == []
+    assert not layout.job_dir("app", job.job_id).exists(), "the cancelled job's checkpoints go with it"
 
 
 @pytest.mark.parametrize("final", [JobState.SUCCEEDED, JobState.CANCELLED])
