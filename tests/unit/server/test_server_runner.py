@@ -192,12 +192,11 @@ def _artifact(folder: Path) -> AdapterArtifact:
 class Completing:
     """A session that finishes at once with an adapter folder in the job's work dir."""
 
-    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
-        self.art = _artifact(self.work / f"out-{time.monotonic_ns()}")
-        return SessionOutcome(completed=True, adapter=self.art)
-
     def __init__(self, work: Path) -> None:
         self.work = work
+
+    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
+        return SessionOutcome(completed=True, adapter=_artifact(self.work / f"out-{time.monotonic_ns()}"))
 
 
 def test_a_kill_while_registering_the_adapter_leaves_neither_and_the_restart_makes_one(
