@@ -57,9 +57,12 @@ def remove_stranded(layout: Layout, registered: Callable[[str], set[str]]) -> li
         known = registered(app.name)
         for folder in _adapter_dirs(layout, app.name):
             exports = folder / "exports"
-            stale = [folder] if folder.name not in known else []
-            if not stale and exports.is_dir():
+            if folder.name not in known:
+                stale = [folder]
+            elif exports.is_dir():
                 stale = sorted(p for p in exports.iterdir() if p.name.startswith(".") or p.is_dir())
+            else:
+                continue
             for p in stale:
                 remove_tree(p)
                 removed.append(p)

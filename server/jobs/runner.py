@@ -112,11 +112,12 @@ class Runner:
                 checkpoint_step=ck.step if ck else None,
                 paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER,
             )
-        for job in self.jobs.in_states((JobState.SUCCEEDED, JobState.CANCELLED)):
+        for work in sorted(self.layout.data_dir.glob("apps/*/jobs/*")):  # the few work folders, not every job ever
             # A kill after the final commit and before its checkpoints went: they go now (FAILED keeps them).
-            if self.layout.job_dir(job.app_id, job.job_id).exists():
-                self._drop_checkpoints(job)
-                log.info("job_leftovers_removed", job_id=job.job_id, state=job.state.value)
+            done = self._get(work.name)
+            if done is not None and done.state in (JobState.SUCCEEDED, JobState.CANCELLED):
+                self._drop_checkpoints(done)
+                log.info("job_leftovers_removed", job_id=done.job_id, state=done.state.value)
         self._thread.start()
         self.reconcile()
 
