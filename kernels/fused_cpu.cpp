@@ -306,17 +306,62 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& d_act, const at:
 constexpr int64_t kTileRows = 8;   // rows of one LoRA micro-tile
 constexpr int64_t kTileCols = 32;  // columns of one LoRA micro-tile: two vectors of 16 floats
 constexpr int64_t kChunkCols = 256;  // columns a tile's gate and up go through at a time (16 kB, in L1)
-typedef float v16 __attribute__((vector_size(64)));  // the compiler lowers it to the machine's vectors (AVX-512, NEON)
-typedef uint16_t bf16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// 16 floats as the machine's own vectors: one AVX-512 register, two AVX ones, four of SSE or NEON. A plain 64-byte
+// GCC vector type is lowered well only where 64-byte registers exist: on AVX2, GCC 12 moved every such value through
+// the stack and general registers (vmovq/vpinsrq, 8 bytes at a time). Measured on a 2-core AVX2 EPYC (T = 214 rows,
+// 2 threads, plain type -> parts): widen_lowrank [214, 1536] rank 8 1645 -> 261 us, rms_norm_a_grads [214, 576]
+// k = 24 1426 -> 291 us, lora_out_grads [214, 1536] rank 8 1123 -> 454 us (with kSumRows and kDotK below).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+constexpr int kLanes = kVecBytes / 4, kParts = 16 / kLanes;
+typedef float vpart __attribute__((vector_size(kVecBytes)));
+typedef uint16_t u16part __attribute__((vector_size(kVecBytes / 2)));
+typedef uint32_t u32part __attribute__((vector_size(kVecBytes)));
+struct v16 {
+  vpart p[kParts];
+};
+
+inline v16 vload(const float* src) {
+  v16 v;
+  for (int i = 0; i < kParts; ++i) std::memcpy(&v.p[i], src + i * kLanes, sizeof(vpart));
+  return v;
+}
+
+inline void vstore(float* dst, const v16& v) {
+  for (int i = 0; i < kParts; ++i) std::memcpy(dst + i * kLanes, &v.p[i], sizeof(vpart));
+}
+
+inline v16& operator+=(v16& a, const v16& b) {
+  for (int i = 0; i < kParts; ++i) a.p[i] += b.p[i];
+  return a;
+}
+
+inline v16 operator*(const v16& a, const v16& b) {
+  v16 r;
+  for (int i = 0; i < kParts; ++i) r.p[i] = a.p[i] * b.p[i];
+  return r;
+}
+
+inline v16 operator*(float s, const v16& b) {
+  v16 r;
+  for (int i = 0; i < kParts; ++i) r.p[i] = s * b.p[i];
+  return r;
+}
 
 // 16 bfloat16 values -> floats (exact), as one vector.
 inline v16 widen16(const uint16_t* p) {
-  bf16x16 b;
-  std::memcpy(&b, p, sizeof b);
-  const u32x16 u = __builtin_convertvector(b, u32x16) << 16;
   v16 f;
-  std::memcpy(&f, &u, sizeof f);
+  for (int i = 0; i < kParts; ++i) {
+    u16part b;
+    std::memcpy(&b, p + i * kLanes, sizeof b);
+    const u32part u = __builtin_convertvector(b, u32part) << 16;
+    std::memcpy(&f.p[i], &u, sizeof u);
+  }
   return f;
 }
 
@@ -369,25 +414,29 @@ LoraPair lora_pair(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor&
                   padded_rows(bg.t(), Fp), padded_rows(bu.t(), Fp), static_cast<float>(s), R, F, Fp};
 }
 
+// Rows a pass of lora_tile_sums keeps in registers: 8 x 32 sums need 16 of AVX-512's 32 registers but 32 of AVX2's 16
+// (and 64 of NEON's 32), which spills; with fewer rows a pass they fit and bT's rows are read again from L1 instead.
+constexpr int64_t kSumRows = kParts == 1 ? kTileRows : 2;
+
 // out[i, 0 : 32] = Σ_k h[i][k]·bT[k, c0 : c0 + 32] for the tile's rows i (k in order; bT's rows are ldb apart, out's
-// ldo), the 8 x 32 sums held in registers while k runs.
+// ldo), kSumRows x 32 sums held in registers while k runs.
 __attribute__((always_inline)) inline void lora_tile_sums(const float* hrows, int64_t rank, const float* bT, int64_t ldb,
                                                           int64_t c0, float* out, int64_t ldo) {
-  v16 acc[kTileRows][2];
-  for (int64_t i = 0; i < kTileRows; ++i) acc[i][0] = acc[i][1] = v16{};
-  for (int64_t k = 0; k < rank; ++k) {
-    v16 b0, b1;
-    std::memcpy(&b0, bT + k * ldb + c0, sizeof b0);
-    std::memcpy(&b1, bT + k * ldb + c0 + 16, sizeof b1);
-    for (int64_t i = 0; i < kTileRows; ++i) {
-      const float hk = hrows[i * rank + k];
-      acc[i][0] += hk * b0;
-      acc[i][1] += hk * b1;
+  for (int64_t i0 = 0; i0 < kTileRows; i0 += kSumRows) {
+    v16 acc[kSumRows][2];
+    for (int64_t i = 0; i < kSumRows; ++i) acc[i][0] = acc[i][1] = v16{};
+    for (int64_t k = 0; k < rank; ++k) {
+      const v16 b0 = vload(bT + k * ldb + c0), b1 = vload(bT + k * ldb + c0 + 16);
+      for (int64_t i = 0; i < kSumRows; ++i) {
+        const float hk = hrows[(i0 + i) * rank + k];
+        acc[i][0] += hk * b0;
+        acc[i][1] += hk * b1;
+      }
     }
-  }
-  for (int64_t i = 0; i < kTileRows; ++i) {
-    std::memcpy(out + i * ldo, &acc[i][0], sizeof(v16));
-    std::memcpy(out + i * ldo + 16, &acc[i][1], sizeof(v16));
+    for (int64_t i = 0; i < kSumRows; ++i) {
+      vstore(out + (i0 + i) * ldo, acc[i][0]);
+      vstore(out + (i0 + i) * ldo + 16, acc[i][1]);
+    }
   }
 }
 
@@ -515,16 +564,15 @@ void accumulate_tile_outer(const float* d, int64_t ld, int64_t nr, const float* 
     v16 dv[kTileRows];
     for (int64_t i = 0; i < kTileRows; ++i) {
       if (i < nr) {
-        std::memcpy(&dv[i], d + i * ld + c, sizeof(v16));
+        dv[i] = vload(d + i * ld + c);
       } else {
         dv[i] = v16{};
       }
     }
     for (int64_t k = 0; k < rank; ++k) {
-      v16 a;
-      std::memcpy(&a, acc + k * lda + c, sizeof a);
+      v16 a = vload(acc + k * lda + c);
       for (int64_t i = 0; i < nr; ++i) a += hk[i * rank + k] * dv[i];
-      std::memcpy(acc + k * lda + c, &a, sizeof a);
+      vstore(acc + k * lda + c, a);
     }
   }
 }
@@ -532,14 +580,18 @@ void accumulate_tile_outer(const float* d, int64_t ld, int64_t nr, const float* 
 // Sum of a vector's 16 lanes, in lane order.
 inline float lane_sum(const v16& a) {
   float lanes[16];
-  std::memcpy(lanes, &a, sizeof lanes);
+  vstore(lanes, a);
   float sum = 0.0f;
   for (int l = 0; l < 16; ++l) sum += lanes[l];
   return sum;
 }
 
+// k a pass of tile_row_dots sums: two rows of 8 k are 16 vectors of 16 lanes, registers AVX-512 has and AVX2 or NEON
+// do not (see kSumRows).
+constexpr int64_t kDotK = kParts == 1 ? 8 : 2;
+
 // out[i][k] = Σ_c d[i][c]·bT[k][c] for the tile's rows i < nr (d rows ld floats apart, out rows ldo apart), k < rank
-// (bT rows ldb floats apart), c < F (a multiple of 16): two rows and up to eight k at a time, 16 lanes each, the lanes
+// (bT rows ldb floats apart), c < F (a multiple of 16): two rows and kDotK k at a time, 16 lanes each, the lanes
 // then summed in order.
 void tile_row_dots(const float* d, int64_t ld, int64_t nr, const float* bT, int64_t ldb, int64_t rank, int64_t F,
                    float* out, int64_t ldo) {
@@ -547,18 +599,15 @@ void tile_row_dots(const float* d, int64_t ld, int64_t nr, const float* bT, int6
     const bool two = i0 + 1 < nr;
     const float* d0 = d + i0 * ld;
     const float* d1 = two ? d0 + ld : d0;
-    for (int64_t k0 = 0; k0 < rank; k0 += 8) {
-      const int64_t kn = std::min<int64_t>(8, rank - k0);
-      v16 a0[8] = {}, a1[8] = {};
+    for (int64_t k0 = 0; k0 < rank; k0 += kDotK) {
+      const int64_t kn = std::min<int64_t>(kDotK, rank - k0);
+      v16 a0[kDotK] = {}, a1[kDotK] = {};
       for (int64_t c = 0; c < F; c += 16) {
-        v16 x0, x1;
-        std::memcpy(&x0, d0 + c, sizeof x0);
-        std::memcpy(&x1, d1 + c, sizeof x1);
+        const v16 x0 = vload(d0 + c), x1 = vload(d1 + c);
 #pragma GCC unroll 8
-        for (int64_t kk = 0; kk < 8; ++kk) {
+        for (int64_t kk = 0; kk < kDotK; ++kk) {
           if (kk < kn) {
-            v16 b;
-            std::memcpy(&b, bT + (k0 + kk) * ldb + c, sizeof b);
+            const v16 b = vload(bT + (k0 + kk) * ldb + c);
             a0[kk] += x0 * b;
             a1[kk] += x1 * b;
           }
@@ -745,6 +794,29 @@ at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const a
   return out;
 }
 
+// h [R, k] = x·aᵀ for rows x [R, C] (float32, contiguous columns, any row stride) and a [k, C] (float32, contiguous
+// columns, any row stride): the rank-space rows of LoRA layers reading x (a: their A, stacked), each of the k dot
+// products summed in 16 lanes over C (a multiple of 16), the lanes then in order. Every row is one thread's.
+at::Tensor lowrank_rows(const at::Tensor& x, const at::Tensor& a) {
+  check_rows(x, "x");
+  check_rows(a, "a");
+  const int64_t R = x.size(0), C = x.size(1), k = a.size(0), ldx = x.stride(0), lda = a.stride(0);
+  TORCH_CHECK(a.size(1) == C && k > 0, "a must be a [k, ", C, "] matrix with k > 0, got ", a.sizes());
+  TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
+  at::Tensor h = at::empty({R, k}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const int64_t tiles = (R + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, grain_rows(C) / kTileRows), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kTileRows, nr = std::min(kTileRows, R - r0);
+      tile_row_dots(xp + r0 * ldx, ldx, nr, ap, lda, k, C, hp + r0 * k, k);
+    }
+  });
+  return h;
+}
+
 // out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
 // same pass, one read of the product and one write of the result (a LoRA layer's output, s·h·Bᵀ, or its input
 // gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
@@ -805,12 +877,10 @@ at::Tensor widen_lowrank(const at::Tensor& prod, const at::Tensor& h, const at::
           float* orow = op + (r0 + i) * N + c0;
           if (nc == kTileCols) {  // a whole tile: vectors
             for (int64_t half = 0; half < kTileCols; half += 16) {
-              v16 a, b, y = widen16(pr + half);
-              std::memcpy(&a, ar + half, sizeof a);
-              std::memcpy(&b, br + half, sizeof b);
-              y += b;
-              y += s * a;
-              std::memcpy(orow + half, &y, sizeof y);
+              v16 y = widen16(pr + half);
+              y += vload(br + half);
+              y += s * vload(ar + half);
+              vstore(orow + half, y);
             }
           } else {
             for (int64_t c = 0; c < nc; ++c) orow[c] = (from_bf16(pr[c]) + br[c]) + s * ar[c];
@@ -1361,6 +1431,7 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("lora_out_grads(Tensor[] dys, Tensor h, Tensor[] bs, float s, bool want_bf16) -> (Tensor, Tensor, Tensor[])",
         &lora_out_grads);
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
+  m.def("lowrank_rows(Tensor x, Tensor a) -> Tensor", &lowrank_rows);
   m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
   m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);

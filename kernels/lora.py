@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
-from lorad.kernels.fused import lora_out_grads, widen_lowrank
+from lorad.kernels.fused import lora_out_grads, lowrank_rows, widen_lowrank
 from lorad.kernels.queue import NpuQueue, queue_for
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm
 
@@ -73,10 +73,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
         if dropout > 0.0 and training:
             mask = torch.empty_like(x2).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
             xd = x2 * mask
-        # Thin products are written so the long dimension is the GEMM's N: torch's fp32 GEMM (MKL) runs [T, K]·[K, r]
-        # with K = 576..1536, r = 8 at 4-20x the time of the transposed [r, K]·[K, T] (0.88 vs 0.25 ms at
-        # K = 1536, 1 thread, Zen 5); the result is the same matrix, returned as a transposed view.
-        h = (lora_a @ xd.t()).t()  # [T, r]
+        h = lowrank_rows(xd, lora_a)  # [T, r]
         if gemm is not None:
             y = widen_lowrank(gemm.bf16_product(rows), h, lora_b.t(), scaling=scaling, bias=gemm.bias)
         else:
@@ -107,7 +104,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
                 d_b_f = d_b_rows if ctx.needs_input_grad[2] else None
                 return dx_f, d_a_f, d_b_f, None, None, None, None, None
         fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x and gemm is None else None
-        g = (lora_b.t() @ dy2.t()).t()  # [T, r], thin-product layout as in forward
+        g = (lora_b.t() @ dy2.t()).t()  # [T, r] as [r, out]·[out, T]: MKL runs [T, out]·[out, r] at 4-20x the time
         d_b = (h.t() @ dy2).t().mul_(s) if ctx.needs_input_grad[2] else None
         d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
         dx = None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lorad.kernels.fused import lora_out_grads, rms_norm_a_grads, widen_lowrank
+from lorad.kernels.fused import lora_out_grads, lowrank_rows, rms_norm_a_grads, widen_lowrank
 from lorad.kernels.lora import LoRALinear, rows_fp32
 from lorad.kernels.rmsnorm import RMSNorm, rms_apply, rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm, joint_bf16, joint_input_grad_product
@@ -86,9 +86,7 @@ def finish_forward(
     """Each member's ``frozen(x) + s·(x·A_iᵀ)·B_iᵀ`` [T, out_i] and the stacked ``h = x·[A_1; …]ᵀ`` [T, Σr].
 
     ``frozen`` holds each member's frozen output or the future of it, or its bf16 product (``submit_forward``), which
-    ``_add_lora`` widens with the LoRA term in one pass. The stacked product is
-    written ``[Σr, in]·[in, T]`` (transposed view back): MKL's fp32 GEMM runs the thin ``[T, K]·[K, r]`` layout at
-    4-20x the time (see ``lora._LoRAFrozenFn``).
+    ``_add_lora`` widens with the LoRA term in one pass.
     """
     h = lora_rows(members, x2)
     ys = [
@@ -99,10 +97,8 @@ def finish_forward(
 
 
 def lora_rows(members: Sequence[LoRALinear], x2: Tensor) -> Tensor:
-    """The stacked ``h = x·[A_1; …]ᵀ`` [T, Σr] of rows ``x2`` [T, in], written ``[Σr, in]·[in, T]`` (a transposed
-    view of a contiguous [Σr, T]: MKL runs the thin ``[T, K]·[K, r]`` layout at 4-20x the time)."""
-    a_cat = _stacked_a(members)
-    return (a_cat @ x2.t()).t()
+    """The stacked ``h = x·[A_1; …]ᵀ`` [T, Σr] of rows ``x2`` [T, in] (``fused.lowrank_rows``)."""
+    return lowrank_rows(x2, _stacked_a(members))
 
 
 def _stacked_a(members: Sequence[LoRALinear]) -> Tensor:
