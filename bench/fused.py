@@ -47,6 +47,8 @@ def cases(t: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     h, b, prod = r(t, RANK), r(INTERMEDIATE, RANK), r(t, INTERMEDIATE).to(torch.bfloat16)
     _, _, rstd = fused.rms_norm_forward(x, w, 1e-5)
     g_qkv = r(t, 3 * RANK)
+    q, cos, sin = r(1, t, 9, 64), r(t, 64), r(t, 64)  # SmolLM2's q: 9 heads of 64
+    dq = r(1, 9, t, 64)
 
     def off(fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -62,6 +64,8 @@ def cases(t: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
         both("rms_norm_forward [T, 576]", lambda: fused.rms_norm_forward(x, w, 1e-5)),
         both("swiglu_forward [T, 1536]", lambda: fused.swiglu_forward(gate, up)),
         both("swiglu_backward [T, 1536]", lambda: fused.swiglu_backward(d, gate, up)),
+        both("rope_forward fp32 q [1, T, 9, 64]", lambda: fused.rope_forward(q, cos, sin, bf16=False)),
+        both("rope_backward fp32 q", lambda: fused.rope_backward(dq, cos, sin)),
         both("lowrank_rows q/k/v [T, 576] k=24", lambda: fused.lowrank_rows(x, a_qkv)),
         both("lowrank_rows gate/up [T, 576] k=16", lambda: fused.lowrank_rows(x, a_gu)),
         both("lowrank_rows down [T, 1536] k=8", lambda: fused.lowrank_rows(d, a_down)),

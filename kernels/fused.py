@@ -431,12 +431,12 @@ def lora_out_grads(
     return (packed if want_bf16 else None), g, [t.t() for t in dbs_t]
 
 
-def rope_bf16_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE of x [B, T, H, D] (fp32) by the [T, D] tables into contiguous bf16 [B, H, T, D], computed in fp32 and
-    rounded once: ``y1 = x1·c1 − x2·s1``, ``y2 = x2·c2 + x1·s2`` over the halves of D."""
+def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, *, bf16: bool) -> Tensor:
+    """RoPE of x [B, T, H, D] (fp32) by the [T, D] tables into contiguous [B, H, T, D] rows, fp32 or (``bf16``) rounded
+    to bf16 once: ``y1 = x1·c1 − x2·s1``, ``y2 = x2·c2 + x1·s2`` over the halves of D, computed in fp32."""
     ops = kernels()
     if ops is not None and x.dtype == torch.float32 and x.dim() == 4 and x.stride(3) == 1:
-        out: Tensor = ops.rope_bf16_fwd(x, cos.float().contiguous(), sin.float().contiguous())
+        out: Tensor = ops.rope_fwd(x, cos.float().contiguous(), sin.float().contiguous(), bf16)
         return out
     b, t, h, d = x.shape
     xt = x.transpose(1, 2)
@@ -444,15 +444,15 @@ def rope_bf16_forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = d // 2
     r[..., :half].addcmul_(xt[..., half:], sin[:, :half], value=-1.0)
     r[..., half:].addcmul_(xt[..., :half], sin[:, half:])
-    return r.to(torch.bfloat16)
+    return r.to(torch.bfloat16) if bf16 else r
 
 
-def rope_bf16_backward(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The gradient of ``rope_bf16_forward`` for g [B, H, T, D]: contiguous fp32 [B, T, H, D] rows,
+def rope_backward(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The gradient of ``rope_forward`` for g [B, H, T, D] (bf16 or fp32): contiguous fp32 [B, T, H, D] rows,
     ``dx1 = g1·c1 + g2·s2``, ``dx2 = g2·c2 − g1·s1``."""
     ops = kernels()
-    if ops is not None and g.dtype == torch.bfloat16 and g.is_contiguous():
-        out: Tensor = ops.rope_bf16_bwd(g, cos.float().contiguous(), sin.float().contiguous())
+    if ops is not None and g.dtype in (torch.bfloat16, torch.float32) and g.is_contiguous():
+        out: Tensor = ops.rope_bwd(g, cos.float().contiguous(), sin.float().contiguous())
         return out
     b, h, t, d = g.shape
     dx = torch.empty(b, t, h, d)

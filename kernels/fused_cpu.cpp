@@ -892,65 +892,90 @@ at::Tensor widen_lowrank(const at::Tensor& prod, const at::Tensor& h, const at::
   return out;
 }
 
-// RoPE of x [B, T, H, D] (float32, any strides with contiguous D) into contiguous bfloat16 [B, H, T, D]: with halves
-// x1, x2 and the tables' rows c, s at position t, y1 = x1·c1 − x2·s1 and y2 = x2·c2 + x1·s2, rounded once.
-at::Tensor rope_bf16_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1,
-              "x must be a float32 [B, T, H, D] tensor with contiguous D, got ", x.sizes(), " ", x.scalar_type());
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
-  TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
-  check_tables(cos, sin, T, D);
-  at::Tensor y = at::empty({B, H, T, D}, x.options().dtype(at::kBFloat16));
+inline void put(uint16_t* p, float v) { *p = to_bf16(v); }
+inline void put(float* p, float v) { *p = v; }
+inline float get(uint16_t v) { return from_bf16(v); }
+inline float get(float v) { return v; }
+
+// RoPE of x [B, T, H, D] (float32, any strides with contiguous D) into contiguous [B, H, T, D] rows y (float32, or
+// bfloat16 rounded once): with halves x1, x2 and the tables' rows c, s at position t, y1 = x1·c1 − x2·s1 and
+// y2 = x2·c2 + x1·s2.
+template <typename Out>
+void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, Out* yp) {
+  const int64_t H = x.size(2), T = x.size(1), D = x.size(3), half = D / 2, rows = x.size(0) * H * T;
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  uint16_t* yp = bf16_data(y);
   const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
-  at::parallel_for(0, B * H * T, grain_rows(D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(D), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // i = (b·H + h)·T + t: output row i
       const int64_t t = i % T, h = (i / T) % H, b = i / (T * H);
       const float* xr = xp + b * sb + t * st + h * sh;
       const float* c = cp + t * D;
       const float* s = sp + t * D;
-      uint16_t* yr = yp + i * D;
+      Out* yr = yp + i * D;
 #pragma omp simd
       for (int64_t d = 0; d < half; ++d) {
-        yr[d] = to_bf16(xr[d] * c[d] - xr[d + half] * s[d]);
-        yr[d + half] = to_bf16(xr[d + half] * c[d + half] + xr[d] * s[d + half]);
+        put(yr + d, xr[d] * c[d] - xr[d + half] * s[d]);
+        put(yr + d + half, xr[d + half] * c[d + half] + xr[d] * s[d + half]);
       }
     }
   });
+}
+
+at::Tensor rope_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool bf16) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1,
+              "x must be a float32 [B, T, H, D] tensor with contiguous D, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
+  TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
+  check_tables(cos, sin, T, D);
+  at::Tensor y = at::empty({B, H, T, D}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  if (bf16) {
+    rope_rows(x, cos, sin, bf16_data(y));
+  } else {
+    rope_rows(x, cos, sin, y.data_ptr<float>());
+  }
   return y;
 }
 
-// The gradient of rope_bf16_fwd for g [B, H, T, D] (bfloat16, contiguous): float32 [B, T, H, D], contiguous, with
-// dx1 = g1·c1 + g2·s2 and dx2 = g2·c2 − g1·s1.
-at::Tensor rope_bf16_bwd(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(g.dim() == 4 && g.scalar_type() == at::kBFloat16 && g.is_contiguous(),
-              "g must be a contiguous bfloat16 [B, H, T, D] tensor, got ", g.sizes(), " ", g.scalar_type());
-  const int64_t B = g.size(0), H = g.size(1), T = g.size(2), D = g.size(3), half = D / 2;
-  TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
-  check_tables(cos, sin, T, D);
-  at::Tensor dx = at::empty({B, T, H, D}, g.options().dtype(at::kFloat));
-  const uint16_t* gp = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
+// The gradient of rope_fwd for g [B, H, T, D] (contiguous, bfloat16 or float32): float32 [B, T, H, D], contiguous,
+// with dx1 = g1·c1 + g2·s2 and dx2 = g2·c2 − g1·s1.
+template <typename In>
+void rope_grad_rows(const In* gp, const at::Tensor& cos, const at::Tensor& sin, int64_t B, int64_t H, int64_t T,
+                    int64_t D, float* dp) {
+  const int64_t half = D / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* dp = dx.data_ptr<float>();
   at::parallel_for(0, B * H * T, grain_rows(D), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // i = (b·H + h)·T + t: gradient row i
       const int64_t t = i % T, h = (i / T) % H, b = i / (T * H);
-      const uint16_t* gr = gp + i * D;
+      const In* gr = gp + i * D;
       const float* c = cp + t * D;
       const float* s = sp + t * D;
       float* dr = dp + ((b * T + t) * H + h) * D;
 #pragma omp simd
       for (int64_t d = 0; d < half; ++d) {
-        const float g1 = from_bf16(gr[d]), g2 = from_bf16(gr[d + half]);
+        const float g1 = get(gr[d]), g2 = get(gr[d + half]);
         dr[d] = g1 * c[d] + g2 * s[d + half];
         dr[d + half] = g2 * c[d + half] - g1 * s[d];
       }
     }
   });
+}
+
+at::Tensor rope_bwd(const at::Tensor& g, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(g.dim() == 4 && (g.scalar_type() == at::kBFloat16 || g.scalar_type() == at::kFloat) && g.is_contiguous(),
+              "g must be a contiguous bfloat16 or float32 [B, H, T, D] tensor, got ", g.sizes(), " ", g.scalar_type());
+  const int64_t B = g.size(0), H = g.size(1), T = g.size(2), D = g.size(3);
+  TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
+  check_tables(cos, sin, T, D);
+  at::Tensor dx = at::empty({B, T, H, D}, g.options().dtype(at::kFloat));
+  if (g.scalar_type() == at::kBFloat16) {
+    rope_grad_rows(reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>()), cos, sin, B, H, T, D,
+                   dx.data_ptr<float>());
+  } else {
+    rope_grad_rows(g.data_ptr<float>(), cos, sin, B, H, T, D, dx.data_ptr<float>());
+  }
   return dx;
 }
 
@@ -1432,8 +1457,8 @@ TORCH_LIBRARY(lorad_fused, m) {
         &lora_out_grads);
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("lowrank_rows(Tensor x, Tensor a) -> Tensor", &lowrank_rows);
-  m.def("rope_bf16_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_fwd);
-  m.def("rope_bf16_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bf16_bwd);
+  m.def("rope_fwd(Tensor x, Tensor cos, Tensor sin, bool bf16) -> Tensor", &rope_fwd);
+  m.def("rope_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);
   m.def("attention_amx_ready(int head_dim) -> bool", &attention_amx_ready);
   m.def("causal_attention_fwd(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor, Tensor)",

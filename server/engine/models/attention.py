@@ -45,9 +45,9 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
 
 
 def _as_input(grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """A bf16 product's gradient in its input's dtype: kept bf16 for bf16 q/k (rope_bf16's; then scaled by 1/sqrt(D)
-    in bf16, exact when D is a power of 4 such as 64, one more bf16 rounding otherwise), widened for fp32 ones
-    (autograd would round an fp32 gradient of a bf16 input to bf16 anyway)."""
+    """A bf16 product's gradient in its input's dtype: kept bf16 for bf16 q/k (as ``rope_heads`` gives them; then
+    scaled by 1/sqrt(D) in bf16, exact when D is a power of 4 such as 64, one more bf16 rounding otherwise), widened
+    for fp32 ones (autograd would round an fp32 gradient of a bf16 input to bf16 anyway)."""
     return grad if dtype == _BF16 else grad.float()
 
 

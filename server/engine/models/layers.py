@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lorad.kernels.fused import rope_bf16_backward, rope_bf16_forward, softmax_xent_, softmax_xent_bf16_
+from lorad.kernels.fused import rope_backward, rope_forward, softmax_xent_, softmax_xent_bf16_
 from lorad.kernels.rmsnorm import rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear
 from lorad.server.engine.models.config import ModelConfig
@@ -50,46 +50,34 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_forward(x, weight, eps)[0]
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotates x [B, H, T, head_dim] by cos/sin tables [T, head_dim].
-
-    Plain autograd on purpose: it saves only the cos/sin tables (multiplication by a constant), and a custom
-    Function measured no faster (0.31 vs 0.37 ms fwd+bwd at [1, 9, 256, 64], 1 thread).
-    """
-    return x * cos + _rotate_half(x) * sin
-
-
-class _RopeBf16(torch.autograd.Function):
-    """RoPE of x [B, T, H, D] (fp32, any strides) into the contiguous bf16 [B, H, T, D] the training attention
-    multiplies; its gradient comes back as contiguous fp32 [B, T, H, D] rows, the layout the q/k/v node takes.
+class _Rope(torch.autograd.Function):
+    """RoPE of x [B, T, H, D] (fp32, any strides) into the contiguous [B, H, T, D] attention multiplies (fp32, or bf16
+    for the bf16 training attention); its gradient comes back as contiguous fp32 [B, T, H, D] rows, the layout the
+    q/k/v node takes.
 
     With halves x1, x2 and ``y = x·cos + rotate_half(x)·sin``: y1 = x1·c − x2·s, y2 = x2·c + x1·s, so
     dx1 = g1·c + g2·s and dx2 = g2·c − g1·s, in fp32, written straight into the layout the next op reads: one pass
     each way with the fused kernels (``kernels.fused``), else one product and two half-width ``addcmul_``. Autograd's
-    version of ``apply_rope`` runs ~6 ops a direction (the negated half, a concatenation) and the layout changes
-    around it cost a copy each way.
+    version runs ~6 ops a direction (the negated half, a concatenation) and the layout changes around it cost a copy
+    each way: at SmolLM2's q and k ([1, 214, 9 and 3, 64]), fp32, 2 threads on an AVX2 EPYC, forward and backward of
+    both took ~1.2 ms a layer that way.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, bf16: bool) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        return rope_bf16_forward(x, cos, sin)
+        return rope_forward(x, cos, sin, bf16=bf16)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
         cos, sin = ctx.saved_tensors
-        return rope_bf16_backward(g, cos, sin), None, None
+        return rope_backward(g.contiguous(), cos, sin), None, None, None
 
 
-def rope_bf16(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``apply_rope(x.transpose(1, 2), cos, sin)`` as contiguous bf16 [B, H, T, D], computed in fp32 and rounded once,
-    for x [B, T, H, D] (the training attention's q and k); differentiable, see ``_RopeBf16``."""
-    out: Tensor = _RopeBf16.apply(x, cos, sin)
+def rope_heads(x: Tensor, cos: Tensor, sin: Tensor, *, bf16: bool = False) -> Tensor:
+    """x [B, T, H, D] rotated by the cos/sin tables [T, D] (rotate-half RoPE), as contiguous [B, H, T, D] heads: fp32,
+    or with ``bf16`` rounded once (the bf16 training attention's q and k); differentiable, see ``_Rope``."""
+    out: Tensor = _Rope.apply(x, cos, sin, bf16)
     return out
 
 

@@ -19,10 +19,9 @@ from lorad.server.engine.models.attention import causal_attention_bf16
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
 from lorad.server.engine.models.layers import (
-    apply_rope,
     linear_cross_entropy,
     rms_norm,
-    rope_bf16,
+    rope_heads,
     rope_inv_freq,
     swiglu,
 )
@@ -129,10 +128,9 @@ class Attention(nn.Module):
         if cache is None and t > 1 and torch.is_grad_enabled() and self._bf16_attention():
             # training: q and k rotated straight into bf16 [B, H, T, hd]; bf16 GEMMs, fp32 softmax, bf16 [B, T, H*D]
             # rows out (eval and generation: below)
-            qb, kb = rope_bf16(q, cos, sin), rope_bf16(k, cos, sin)
+            qb, kb = rope_heads(q, cos, sin, bf16=True), rope_heads(k, cos, sin, bf16=True)
             return self.o_proj(causal_attention_bf16(qb, kb, v.transpose(1, 2)), adapter)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rope_heads(q, cos, sin), rope_heads(k, cos, sin), v.transpose(1, 2)  # [B, H, T, hd]
         past = 0
         if cache is not None:
             past = cache.length

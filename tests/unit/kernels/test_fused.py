@@ -314,26 +314,31 @@ def test_bf16_copies_round_like_torch_at_the_edges(ops: object) -> None:
 
 
 def test_rope_matches_torch_on_a_column_view(ops: object) -> None:
-    """q as the q/k/v node hands it over: a [B, T, H, D] view of the first columns of the joint output."""
+    """q as the q/k/v node hands it over: a [B, T, H, D] view of the first columns of the joint output; rotated into
+    bf16 heads (the bf16 training attention) and fp32 ones (every other path), gradients back from either."""
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(2, 37, 9 * 16 + 2 * 3 * 16, generator=g)
     x = qkv[..., : 9 * 16].view(2, 37, 9, 16)
     angles = torch.arange(37.0)[:, None] * torch.rand(8, generator=g)[None]
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-    dy = torch.randn(2, 9, 37, 16, generator=g).to(torch.bfloat16)
-    y, dx = fused.rope_bf16_forward(x, cos, sin), fused.rope_bf16_backward(dy, cos, sin)
-    with fused.disabled():
-        y_ref, dx_ref = fused.rope_bf16_forward(x, cos, sin), fused.rope_bf16_backward(dy, cos, sin)
-    assert y.dtype == torch.bfloat16 and y.shape == (2, 9, 37, 16) and y.is_contiguous()
-    assert dx.shape == (2, 37, 9, 16) and dx.is_contiguous()
-    # the kernel may fuse x1·c − x2·s into one rounding: at most one bf16 ulp apart
-    assert float(((y.float() - y_ref.float()).abs() / y_ref.float().abs().clamp_min(1e-3)).max()) <= 2**-7
-    assert _rel(dx, dx_ref) < 1e-6
+    dy = torch.randn(2, 9, 37, 16, generator=g)
+    for bf16 in (True, False):
+        dyd = dy.to(torch.bfloat16) if bf16 else dy
+        y, dx = fused.rope_forward(x, cos, sin, bf16=bf16), fused.rope_backward(dyd, cos, sin)
+        with fused.disabled():
+            y_ref, dx_ref = fused.rope_forward(x, cos, sin, bf16=bf16), fused.rope_backward(dyd, cos, sin)
+        assert y.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert y.shape == (2, 9, 37, 16) and y.is_contiguous()
+        assert dx.dtype == torch.float32 and dx.shape == (2, 37, 9, 16) and dx.is_contiguous()
+        # the kernel may fuse x1·c − x2·s into one rounding: at most one bf16 ulp apart, a few fp32 ones
+        bound = 2**-7 if bf16 else 1e-5
+        assert float(((y.float() - y_ref.float()).abs() / y_ref.float().abs().clamp_min(1e-3)).max()) <= bound
+        assert _rel(dx, dx_ref) < 1e-6
     k = fused.kernels()
     with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 \[37, 16\] tables"):
-        k.rope_bf16_fwd(x, cos[:5], sin)  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="g must be a contiguous bfloat16"):
-        k.rope_bf16_bwd(dy.float(), cos, sin)  # type: ignore[union-attr]
+        k.rope_fwd(x, cos[:5], sin, False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="g must be a contiguous bfloat16 or float32"):
+        k.rope_bwd(dy.double(), cos, sin)  # type: ignore[union-attr]
 
 
 def test_softmax_cross_entropy_over_bf16_logits_matches_torch(ops: object) -> None:

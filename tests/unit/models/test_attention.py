@@ -58,7 +58,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) 
 
 
 def _operands(b: int, h: int, kv: int, t: int, d: int) -> tuple[torch.Tensor, ...]:
-    """q and k in bf16 [B, H, T, D] as rope_bf16 gives them, v a fp32 [B, KV, T, D] view of v_proj's rows."""
+    """q and k in bf16 [B, H, T, D] as rope_heads(bf16=True) gives them, v a fp32 [B, KV, T, D] view of v_proj rows."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(b, h, t, d, generator=g).to(torch.bfloat16)
     k = torch.randn(b, kv, t, d, generator=g).to(torch.bfloat16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lorad.server.engine.models.layers import _RMSNorm, _SwiGLU, linear_cross_entropy
@@ -80,11 +81,18 @@ def test_linear_cross_entropy_pads_a_short_last_chunk_to_a_multiple_of_16_rows()
     torch.testing.assert_close(gh, gr, rtol=1e-5, atol=1e-6)
 
 
-def test_rope_bf16_is_apply_rope_rounded_once_and_its_gradient_is_apply_ropes() -> None:
-    """The training attention's fused RoPE: the rotation of x [B, T, H, D] as bf16 [B, H, T, D] equals apply_rope's
-    fp32 result rounded once (up to one bf16 step where an FMA rounds differently), and its input gradient equals
-    autograd's through apply_rope, in the [B, T, H, D] layout, contiguous."""
-    from lorad.server.engine.models.layers import apply_rope, rope_bf16
+def _rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RoPE of x [B, H, T, D] by plain autograd ops: the reference."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_rope_heads_are_hf_rope_rounded_once_and_their_gradient_is_autograds(bf16: bool) -> None:
+    """The attention's fused RoPE: the rotation of x [B, T, H, D] as [B, H, T, D] heads equals Hugging Face's
+    rotate-half result (fp32, or rounded to bf16 once: up to one bf16 step where an FMA rounds differently), and its
+    input gradient equals autograd's through that reference, in the [B, T, H, D] layout, contiguous."""
+    from lorad.server.engine.models.layers import rope_heads
 
     gen = torch.Generator().manual_seed(11)
     t, d = 13, 16
@@ -93,14 +101,15 @@ def test_rope_bf16_is_apply_rope_rounded_once_and_its_gradient_is_apply_ropes() 
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     x = torch.randn(2, t, 3, d, generator=gen, requires_grad=True)
-    g = torch.randn(2, 3, t, d, generator=gen).to(torch.bfloat16)
+    g = torch.randn(2, 3, t, d, generator=gen).to(torch.bfloat16 if bf16 else torch.float32)
 
-    ref = apply_rope(x.transpose(1, 2), cos, sin)
+    ref = _rotate_half_rope(x.transpose(1, 2), cos, sin)
     (ref_grad,) = torch.autograd.grad(ref, x, g.float())
-    out = rope_bf16(x, cos, sin)
+    out = rope_heads(x, cos, sin, bf16=bf16)
     (grad,) = torch.autograd.grad(out, x, g)
-    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, t, d) and out.is_contiguous()
-    torch.testing.assert_close(out.float(), ref.detach().to(torch.bfloat16).float(), rtol=8e-3, atol=1e-6)
+    assert out.dtype == g.dtype and out.shape == (2, 3, t, d) and out.is_contiguous()
+    expected = ref.detach().to(torch.bfloat16).float() if bf16 else ref.detach()
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3 if bf16 else 1e-6, atol=1e-6)
     assert grad.dtype == torch.float32 and grad.shape == x.shape and grad.is_contiguous()
     torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
 
