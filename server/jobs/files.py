@@ -22,6 +22,10 @@ class Layout:
         """A job's work directory (checkpoints, the adapter before registration)."""
         return self.app_dir(app_id) / "jobs" / job_id
 
+    def job_dirs(self) -> list[Path]:
+        """Every job work directory on disk, of every app (normally the few live or failed jobs)."""
+        return sorted(self.data_dir.glob("apps/*/jobs/*"))
+
     def adapter_dir(self, app_id: str, adapter_id: str) -> Path:
         """A registered adapter's directory: ``peft/`` and cached exports."""
         return self.app_dir(app_id) / "adapters" / adapter_id

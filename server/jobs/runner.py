@@ -112,7 +112,7 @@ class Runner:
                 checkpoint_step=ck.step if ck else None,
                 paused=job.state is JobState.PAUSING and job.blocked is Blocked.PAUSED_BY_USER,
             )
-        for work in sorted(self.layout.data_dir.glob("apps/*/jobs/*")):  # the few work folders, not every job ever
+        for work in self.layout.job_dirs():  # the few work folders, not every job ever recorded
             # A kill after the final commit and before its checkpoints went: they go now (FAILED keeps them).
             done = self._get(work.name)
             if done is not None and done.state in (JobState.SUCCEEDED, JobState.CANCELLED):

@@ -82,7 +82,7 @@ def test_swiglu_matches_torch_on_column_blocks(ops: object) -> None:
 def _lora_operands(rows: int = 67, cols: int = 100, rg: int = 3, ru: int = 5, seed: int = 2) -> dict[str, Any]:
     """Gate and up products as column blocks of one bf16 product (as the stacked GEMM returns it), a width that is no
     multiple of the kernel's 32-column tiles, a row count that is no multiple of its 8-row tiles, two ranks, and h as
-    the transposed view ``lora_rows`` returns."""
+    a transposed view (as torch's thin product gives it)."""
     g = torch.Generator().manual_seed(seed)
     prod = (torch.randn(rows, 2 * cols, generator=g) * 3).to(torch.bfloat16)
     return {
