@@ -1,8 +1,9 @@
 """The fused CPU kernels (kernels/fused_cpu.cpp) against the torch ops they replace, at SmolLM2's shapes, in one run.
 
 Each row times a kernel through its Python entry point and, as its baseline, what the training step runs where the
-kernels are off (``fused.disabled()``; for the passes that have no torch twin, the thin products they replace), on
-the same operands: median microseconds of ``--repeats`` rounds of ``--calls`` calls, torch's intra-op threads as set.
+kernels are off (``fused.disabled()``; for attention, torch's ``scaled_dot_product_attention``; for the passes that
+have no torch twin, the thin products they replace), on the same operands: median microseconds of ``--repeats``
+rounds of ``--calls`` calls, torch's intra-op threads as set.
 
     .venv/bin/python bench/fused.py                 # T = 214 rows (the benchmark's mean packed length), 2 threads
     .venv/bin/python bench/fused.py --rows 256 --threads 1
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from lorad.kernels import fused
 
@@ -49,6 +51,22 @@ def cases(t: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     g_qkv = r(t, 3 * RANK)
     q, cos, sin = r(1, t, 9, 64), r(t, 64), r(t, 64)  # SmolLM2's q: 9 heads of 64
     dq = r(1, 9, t, 64)
+    qa, ka, va, da = r(1, 9, t, 64), r(1, 3, t, 64), r(1, 3, t, 64), r(1, t, 9 * 64)  # 3 KV heads
+
+    scale = 64**-0.5
+
+    def sdpa() -> torch.Tensor:  # the rows o_proj took from torch's attention
+        y = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(1, t, -1)
+
+    def sdpa_grads() -> Any:
+        qs, ks, vs = (x.clone().requires_grad_() for x in (qa, ka, va))
+        y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        return torch.autograd.grad(y.transpose(1, 2).reshape(1, t, -1), (qs, ks, vs), da)
+
+    def attn_grads() -> Any:  # the kernels' two directions, as the autograd node calls them
+        _, lse = fused.causal_attention_f32_forward(qa, ka, va, scale)
+        return fused.causal_attention_f32_backward(da, qa, ka, va, lse, scale=scale)
 
     def off(fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -66,6 +84,8 @@ def cases(t: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
         both("swiglu_backward [T, 1536]", lambda: fused.swiglu_backward(d, gate, up)),
         both("rope_forward fp32 q [1, T, 9, 64]", lambda: fused.rope_forward(q, cos, sin, bf16=False)),
         both("rope_backward fp32 q", lambda: fused.rope_backward(dq, cos, sin)),
+        ("attention fp32 forward [1, 9, T, 64]", lambda: fused.causal_attention_f32_forward(qa, ka, va, scale), sdpa),
+        ("attention fp32 forward + backward", attn_grads, sdpa_grads),
         both("lowrank_rows q/k/v [T, 576] k=24", lambda: fused.lowrank_rows(x, a_qkv)),
         both("lowrank_rows gate/up [T, 576] k=16", lambda: fused.lowrank_rows(x, a_gu)),
         both("lowrank_rows down [T, 1536] k=8", lambda: fused.lowrank_rows(d, a_down)),

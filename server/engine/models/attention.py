@@ -33,7 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lorad.kernels.fused import causal_attention_backward, causal_attention_forward
+from lorad.kernels.fused import (
+    attention_f32_takes,
+    causal_attention_backward,
+    causal_attention_f32_backward,
+    causal_attention_f32_forward,
+    causal_attention_forward,
+)
 
 _BF16 = torch.bfloat16
 
@@ -129,4 +135,37 @@ def causal_attention_bf16(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
     out: Tensor = _CausalAttention.apply(q, k, v)
+    return out
+
+
+class _CausalAttentionF32(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = causal_attention_f32_forward(q, k, v, ctx.scale)
+        ctx.save_for_backward(q, k, v, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, lse = ctx.saved_tensors
+        return causal_attention_f32_backward(dout, q, k, v, lse, scale=ctx.scale)
+
+
+def causal_attention_f32(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """Causal attention of float32 q [B, H, T, D] over k, v [B, KV, T, D] (H a multiple of KV) by the fused kernels,
+    returned as the fp32 rows [B, T, H*D] o_proj multiplies; differentiable w.r.t. q, k and v. None where the kernels
+    do not take these operands (the caller runs ``F.scaled_dot_product_attention`` then).
+
+    Why not ``F.scaled_dot_product_attention``: its CPU flash kernel took 9.1 ms for a SmolLM2 layer's forward +
+    backward at 214 tokens (2 threads, AVX2 EPYC); these kernels take 4.2 (forward 2.29 -> 1.34 ms). They compute
+    the causal half only, 16 query rows a task in register tiles of fp32 FMAs, recompute the probabilities in the
+    backward from each row's log-sum-exp, and write o_proj's rows directly (no transposing copy). The numbers agree
+    within fp32 rounding (~1e-6 relative against float64 attention).
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
+    if not attention_f32_takes(q, k, v):
+        return None
+    out: Tensor = _CausalAttentionF32.apply(q, k, v)
     return out

@@ -15,7 +15,7 @@ from lorad.kernels.capabilities import cpu_bf16
 from lorad.kernels.lora_group import groupable, shared_input_lora
 from lorad.kernels.rmsnorm import RMSNorm
 from lorad.kernels.torch_backend import TorchFrozenLinear, stack_bf16
-from lorad.server.engine.models.attention import causal_attention_bf16
+from lorad.server.engine.models.attention import causal_attention_bf16, causal_attention_f32
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
 from lorad.server.engine.models.layers import (
@@ -131,6 +131,10 @@ class Attention(nn.Module):
             qb, kb = rope_heads(q, cos, sin, bf16=True), rope_heads(k, cos, sin, bf16=True)
             return self.o_proj(causal_attention_bf16(qb, kb, v.transpose(1, 2)), adapter)
         q, k, v = rope_heads(q, cos, sin), rope_heads(k, cos, sin), v.transpose(1, 2)  # [B, H, T, hd]
+        if cache is None and t > 1:  # fp32 training and eval: the fused kernels' rows for o_proj, where they run
+            rows = causal_attention_f32(q, k, v)
+            if rows is not None:
+                return self.o_proj(rows, adapter)
         past = 0
         if cache is not None:
             past = cache.length

@@ -231,7 +231,10 @@ def vector_cases(ops, torch):
     prod, hh, m = (r(133, 100) * 3).to(torch.bfloat16), r(5, 133).t(), r(100, 5).t()
     pg, pu, d = (r(133, 96) * 3).to(torch.bfloat16), (r(133, 96) * 3).to(torch.bfloat16), r(133, 96)
     packed, rows, dbs = ops.lora_out_grads(dys, h, bs, 0.5, True)
+    q, kv, dout = r(2, 4, 37, 32), r(2, 2, 37, 32), r(2, 37, 4 * 32)
+    att, lse = ops.causal_attention_f32_fwd(q, kv, kv * 0.5, 0.25)
     return [
+        att, lse, *ops.causal_attention_f32_bwd(dout, q, kv, kv * 0.5, lse, 0.25),
         ops.lowrank_rows(x, a),
         ops.widen_lowrank(prod, hh, m, torch.empty(0), 1.75),
         packed.float(), rows, *dbs,
@@ -260,7 +263,7 @@ def test_a_build_for_narrower_vectors_computes_what_the_native_one_does(ops: obj
     exec(_VECTOR_CASES, scope)  # the same text the child ran
     native = scope["vector_cases"](ops, torch)
     narrow = torch.load(out)
-    assert len(native) == len(narrow) == 14
+    assert len(native) == len(narrow) == 19
     for i, (a, b) in enumerate(zip(native, narrow, strict=True)):
         assert a.shape == b.shape and _rel(b, a) < 1e-5, i
 

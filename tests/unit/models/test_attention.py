@@ -1,7 +1,9 @@
-"""Training attention in bf16: matches exact causal attention (output and all input gradients) within bf16 error."""
+"""Causal attention against exact (float64) attention, output and all input gradients: the bf16 training path within
+bf16 error, the fused fp32 kernels (fp32 training and eval) within fp32 rounding."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lorad.kernels import fused
-from lorad.server.engine.models.attention import causal_attention_bf16
+from lorad.server.engine.models.attention import causal_attention_bf16, causal_attention_f32
 
 
 @pytest.fixture
@@ -163,3 +165,126 @@ def test_the_cached_additive_mask_and_the_in_place_mask_give_the_same_bits(monke
     assert attention._causal_bias(24, 3) is None
     for a, b in zip(cached, run(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def f32_kernels() -> Any:
+    """The kernels, where they are built (every test machine with a compiler); else the test is skipped."""
+    ops = fused.kernels()
+    if ops is None:
+        pytest.skip(f"the fused kernels do not run here: {fused.describe()[1]}")
+    return ops
+
+
+def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> list[torch.Tensor]:
+    """float64 attention as [B, T, H*D] rows, and its input gradients for ``dout``."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    y = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, enable_gqa=True)
+    out = y.transpose(1, 2).reshape(dout.shape)
+    return [out, *torch.autograd.grad(out, (q64, k64, v64), dout.double())]
+
+
+def _f32_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> list[torch.Tensor]:
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = causal_attention_f32(qs, ks, vs)
+    assert out is not None
+    return [out, *torch.autograd.grad(out, (qs, ks, vs), dout)]
+
+
+# T below, at and past the 16-row blocks; grouped and plain heads; the head dims of Llama/Qwen models and the smallest
+# the kernels take; v as the strided view of v_proj's rows the model passes.
+@pytest.mark.parametrize(
+    ("b", "heads", "kv_heads", "t", "d"),
+    [(1, 9, 3, 214, 64), (2, 4, 2, 37, 32), (1, 2, 1, 16, 16), (1, 4, 4, 100, 128), (2, 6, 1, 2, 64), (1, 2, 2, 1, 16)],
+)
+def test_f32_kernels_match_exact_attention(f32_kernels: Any, b: int, heads: int, kv_heads: int, t: int, d: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, t, heads, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, kv_heads, t, d, generator=g)
+    v = torch.randn(b, t, kv_heads, d, generator=g).transpose(1, 2)
+    dout = torch.randn(b, t, heads * d, generator=g)
+    got, want = _f32_run(q, k, v, dout), _exact(q, k, v, dout)
+    assert got[0].shape == (b, t, heads * d) and [x.shape for x in got[1:]] == [q.shape, k.shape, v.shape]
+    assert all(x.dtype == torch.float32 for x in got)
+    for a, e in zip(got, want, strict=True):
+        # fp32 products and softmax: ~1e-6 measured (0 where T = 1 makes a gradient exactly 0); a wrong mask, head
+        # grouping, block edge or lse would be off by order 1
+        assert float((a.double() - e).abs().max()) <= 1e-5 * max(1.0, float(e.abs().max()))
+
+
+def test_f32_kernels_give_the_same_bits_at_any_thread_count(f32_kernels: Any) -> None:
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 70, 64, generator=g), torch.randn(2, 2, 70, 64, generator=g), torch.randn(2, 2, 70, 64)
+    dout = torch.randn(2, 70, 4 * 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _f32_run(q, k, v, dout)
+        torch.set_num_threads(max(2, threads))
+        many = _f32_run(q, k, v, dout)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_f32_kernels_name_operands_they_cannot_take(f32_kernels: Any) -> None:
+    ops = f32_kernels
+    assert ops.attention_f32_ready(16) and ops.attention_f32_ready(128) and not ops.attention_f32_ready(24)
+    q, k = torch.zeros(1, 4, 8, 64), torch.zeros(1, 2, 8, 64)
+    with pytest.raises(RuntimeError, match="not a multiple of key/value heads 3"):
+        ops.causal_attention_f32_fwd(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64), 0.125)
+    with pytest.raises(RuntimeError, match="head dim must be a multiple of 16, got 24"):
+        ops.causal_attention_f32_fwd(q[..., :24], k[..., :24], k[..., :24], 0.125)
+    with pytest.raises(RuntimeError, match="q, k, v must be float32, got BFloat16"):
+        ops.causal_attention_f32_fwd(q.bfloat16(), k, k, 0.125)
+    out, lse = ops.causal_attention_f32_fwd(q, k, k, 0.125)
+    with pytest.raises(RuntimeError, match=r"dout must be a float32 \[1, 8, 256\] tensor"):
+        ops.causal_attention_f32_bwd(out[:, :4], q, k, k, lse, 0.125)
+    with pytest.raises(RuntimeError, match=r"lse must be a contiguous float32 \[1, 4, 8\] tensor"):
+        ops.causal_attention_f32_bwd(out, q, k, k, lse[:, :2], 0.125)
+    # what the kernels do not take, the model's torch path runs: None, not an error
+    assert causal_attention_f32(q[..., :24], k[..., :24], k[..., :24]) is None
+    assert causal_attention_f32(q.double(), k.double(), k.double()) is None
+    with fused.disabled():
+        assert causal_attention_f32(q, k, k) is None
+    with pytest.raises(ValueError, match="not a multiple"):
+        causal_attention_f32(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64))
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_fp32_training_and_eval_run_the_kernels_where_built(monkeypatch: pytest.MonkeyPatch, kernels: bool) -> None:
+    """The fp32 model runs its attention through them in training and eval, the same numbers as torch's SDPA path
+    within fp32 rounding; where they are off, SDPA runs. (Head dim 16: the smallest the kernels take.)"""
+    import dataclasses
+
+    import lorad.server.engine.models.model as model_mod
+    from lorad.server.engine.models.build import build_model
+    from lorad.server.engine.models.config import LoraConfig
+    from tests.unit.training.test_train_recipe import MCFG, _weights
+
+    if kernels and fused.kernels() is None:
+        pytest.skip(f"the fused kernels do not run here: {fused.describe()[1]}")
+    ran: list[bool] = []
+    real = model_mod.causal_attention_f32
+    monkeypatch.setattr(model_mod, "causal_attention_f32", lambda *a: ran.append((r := real(*a)) is not None) or r)
+    cfg = dataclasses.replace(MCFG, hidden_size=64, head_dim=16)
+    m = build_model(cfg, _weights(cfg), backend="torch", precision="fp32", lora=LoraConfig(rank=2, alpha=4.0))
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads() -> list[torch.Tensor]:
+        m.zero_grad()
+        loss = m(ids, ids)
+        loss.backward()
+        return [loss.detach(), *(p.grad.clone() for p in m.parameters() if p.grad is not None)]
+
+    with contextlib.nullcontext() if kernels else fused.disabled():
+        got = loss_and_grads()
+        with torch.no_grad():
+            m(ids, ids)  # eval
+    assert ran == [kernels] * (2 * cfg.num_layers)
+    with fused.disabled():
+        want = loss_and_grads()
+    assert len(got) == len(want) > 1
+    for a, b in zip(got, want, strict=True):
+        assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))

@@ -27,21 +27,21 @@ MCFG = ModelConfig(
 )
 
 
-def _weights() -> dict[str, torch.Tensor]:
+def _weights(cfg: ModelConfig = MCFG) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    d, f = MCFG.hidden_size, MCFG.intermediate_size
-    kv = MCFG.num_kv_heads * MCFG.head_dim
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {
-        "self_attn.q_proj": (d, d),
+        "self_attn.q_proj": (q, d),
         "self_attn.k_proj": (kv, d),
         "self_attn.v_proj": (kv, d),
-        "self_attn.o_proj": (d, d),
+        "self_attn.o_proj": (d, q),
         "mlp.gate_proj": (f, d),
         "mlp.up_proj": (f, d),
         "mlp.down_proj": (d, f),
     }
-    w = {"model.embed_tokens.weight": torch.randn(VOCAB, d, generator=g), "model.norm.weight": torch.ones(d)}
-    for i in range(MCFG.num_layers):
+    w = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, d, generator=g), "model.norm.weight": torch.ones(d)}
+    for i in range(cfg.num_layers):
         for n, s in shapes.items():
             w[f"model.layers.{i}.{n}.weight"] = torch.randn(*s, generator=g) / s[1] ** 0.5
         w[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(d)
