@@ -1468,17 +1468,22 @@ void f32_product(const float* a, int64_t ars, int64_t aks, const float* b, int64
   }
 }
 
-// x [B, G, T, D] (any strides) as contiguous float32 [B, G, rows, D], zero past T.
+// x [B, G, T, D] (float32, any strides) as contiguous [B, G, rows, D], zero past T; x itself when it is that already.
 at::Tensor padded_rows_f32(const at::Tensor& x, int64_t rows) {
-  at::Tensor o = at::zeros({x.size(0), x.size(1), rows, x.size(3)}, x.options().dtype(at::kFloat));
-  o.narrow(2, 0, x.size(2)).copy_(x);
+  const int64_t T = x.size(2);
+  if (x.is_contiguous() && T == rows) return x;
+  at::Tensor o = at::empty({x.size(0), x.size(1), rows, x.size(3)}, x.options());
+  o.narrow(2, 0, T).copy_(x);
+  if (rows > T) o.narrow(2, T, rows - T).zero_();
   return o;
 }
 
-// x [B, G, T, D] (any strides) as contiguous float32 [B, G, D, cols], its transpose, zero past T.
+// x [B, G, T, D] (float32, any strides) as contiguous [B, G, D, cols], its transpose, zero past T.
 at::Tensor padded_columns_f32(const at::Tensor& x, int64_t cols) {
-  at::Tensor o = at::zeros({x.size(0), x.size(1), x.size(3), cols}, x.options().dtype(at::kFloat));
-  o.narrow(3, 0, x.size(2)).copy_(x.transpose(2, 3));
+  const int64_t T = x.size(2);
+  at::Tensor o = at::empty({x.size(0), x.size(1), x.size(3), cols}, x.options());
+  o.narrow(3, 0, T).copy_(x.transpose(2, 3));
+  if (cols > T) o.narrow(3, T, cols - T).zero_();
   return o;
 }
 

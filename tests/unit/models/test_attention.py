@@ -212,6 +212,20 @@ def test_f32_kernels_match_exact_attention(f32_kernels: Any, b: int, heads: int,
         assert float((a.double() - e).abs().max()) <= 1e-5 * max(1.0, float(e.abs().max()))
 
 
+def test_f32_kernels_take_q_contiguous_or_strided(f32_kernels: Any) -> None:
+    """A contiguous q at a whole number of 16-row blocks is read in place, a strided one copied: the same bits."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 32, 64, generator=g), torch.randn(1, 2, 32, 64, generator=g), torch.randn(1, 2, 32, 64)
+    dout = torch.randn(1, 32, 4 * 64, generator=g)
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert q.is_contiguous() and not strided.is_contiguous()
+    got = _f32_run(q, k, v, dout)
+    for a, b in zip(got, _f32_run(strided, k, v, dout), strict=True):
+        assert torch.equal(a, b)
+    for a, e in zip(got, _exact(q, k, v, dout), strict=True):
+        assert float((a.double() - e).abs().max()) <= 1e-5 * max(1.0, float(e.abs().max()))
+
+
 def test_f32_kernels_give_the_same_bits_at_any_thread_count(f32_kernels: Any) -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, 70, 64, generator=g), torch.randn(2, 2, 70, 64, generator=g), torch.randn(2, 2, 70, 64)
