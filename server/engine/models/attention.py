@@ -138,6 +138,12 @@ def causal_attention_bf16(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out
 
 
+# The fp32 kernels' backward holds every head's [T, T] probabilities and score gradients at once (8·B·H·T² bytes: 4.7 MB
+# for SmolLM2 at 256 tokens, 117 MB for 14 heads at 1,024); above this, a step that needs gradients runs torch's SDPA,
+# whose memory grows with T, not T².
+_F32_BACKWARD_MAX_BYTES = 64 << 20
+
+
 class _CausalAttentionF32(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -155,7 +161,8 @@ class _CausalAttentionF32(torch.autograd.Function):
 def causal_attention_f32(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     """Causal attention of float32 q [B, H, T, D] over k, v [B, KV, T, D] (H a multiple of KV) by the fused kernels,
     returned as the fp32 rows [B, T, H*D] o_proj multiplies; differentiable w.r.t. q, k and v. None where the kernels
-    do not take these operands (the caller runs ``F.scaled_dot_product_attention`` then).
+    do not take these operands, or their backward would hold more than ``_F32_BACKWARD_MAX_BYTES`` (the caller runs
+    ``F.scaled_dot_product_attention`` then).
 
     Why not ``F.scaled_dot_product_attention``: its CPU flash kernel took 9.1 ms for a SmolLM2 layer's forward +
     backward at 214 tokens (2 threads, AVX2 EPYC); these kernels take 4.2 (forward 2.29 -> 1.34 ms). They compute
@@ -167,5 +174,10 @@ def causal_attention_f32(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
     if not attention_f32_takes(q, k, v):
         return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        b, h, t, _ = q.shape
+        blocks = -(-t // 16) * 16  # the kernels' rows: T rounded up to whole 16-row blocks
+        if 8 * b * h * blocks * blocks > _F32_BACKWARD_MAX_BYTES:
+            return None
     out: Tensor = _CausalAttentionF32.apply(q, k, v)
     return out

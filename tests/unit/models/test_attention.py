@@ -266,6 +266,23 @@ def test_f32_kernels_name_operands_they_cannot_take(f32_kernels: Any) -> None:
         causal_attention_f32(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64))
 
 
+def test_f32_kernels_leave_long_sequences_with_gradients_to_sdpa(
+    f32_kernels: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their backward holds [B, H, T, T] probabilities and score gradients; past the bound, a step that needs
+    gradients runs torch's SDPA (memory in T, not T²). Without gradients (eval) the kernels keep running."""
+    from lorad.server.engine.models import attention
+
+    q, k = torch.zeros(1, 4, 40, 16), torch.zeros(1, 2, 40, 16)
+    monkeypatch.setattr(attention, "_F32_BACKWARD_MAX_BYTES", 8 * 4 * 48 * 48)  # T = 40 runs in three 16-row blocks
+    assert causal_attention_f32(q.requires_grad_(), k, k) is not None
+    monkeypatch.setattr(attention, "_F32_BACKWARD_MAX_BYTES", 8 * 4 * 48 * 48 - 1)
+    assert causal_attention_f32(q, k, k) is None
+    with torch.no_grad():
+        assert causal_attention_f32(q, k, k) is not None
+    assert causal_attention_f32(q.detach(), k, k) is not None
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 def test_fp32_training_and_eval_run_the_kernels_where_built(monkeypatch: pytest.MonkeyPatch, kernels: bool) -> None:
     """The fp32 model runs its attention through them in training and eval, the same numbers as torch's SDPA path
