@@ -44,6 +44,21 @@ from lorad.kernels.fused import (
 _BF16 = torch.bfloat16
 
 
+# Training attention other than torch's SDPA holds per-head [T, T] squares: the bf16 path saves its probabilities for
+# the backward, every layer (2 bytes each), the AMX kernels hold probabilities and score gradients while one backward
+# runs (4 bytes), the fp32 kernels too (8 bytes). SmolLM2 at 256 tokens: 9 x 256² = 0.6M elements; 14 heads at 1,024
+# tokens: 14.7M; seq_len goes to 4,096. Above this many elements a training step runs torch's SDPA in fp32 instead,
+# whose memory grows with T, not T² (eval keeps the kernels: their forward holds 16 rows a task).
+_SQUARE_MAX_ELEMENTS = 1 << 23
+
+
+def squares_fit(batch: int, heads: int, t: int) -> bool:
+    """Whether a training attention over ``batch`` x ``heads`` sequences of ``t`` tokens may hold its [T, T] squares
+    (T rounded up to 32, the AMX kernels' blocks; the fp32 kernels' 16-row blocks need no more)."""
+    rows = -(-t // 32) * 32
+    return batch * heads * rows * rows <= _SQUARE_MAX_ELEMENTS
+
+
 def _grouped(x: Tensor, kv_heads: int) -> Tensor:
     """[B, H, T, D] -> [B, KV, (H/KV)*T, D] in bf16: the query heads that share one KV head, stacked along T."""
     b, h, t, d = x.shape
@@ -138,12 +153,6 @@ def causal_attention_bf16(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out
 
 
-# The fp32 kernels' backward holds every head's [T, T] probabilities and score gradients at once (8·B·H·T² bytes: 4.7 MB
-# for SmolLM2 at 256 tokens, 117 MB for 14 heads at 1,024); above this, a step that needs gradients runs torch's SDPA,
-# whose memory grows with T, not T².
-_F32_BACKWARD_MAX_BYTES = 64 << 20
-
-
 class _CausalAttentionF32(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -161,8 +170,8 @@ class _CausalAttentionF32(torch.autograd.Function):
 def causal_attention_f32(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     """Causal attention of float32 q [B, H, T, D] over k, v [B, KV, T, D] (H a multiple of KV) by the fused kernels,
     returned as the fp32 rows [B, T, H*D] o_proj multiplies; differentiable w.r.t. q, k and v. None where the kernels
-    do not take these operands, or their backward would hold more than ``_F32_BACKWARD_MAX_BYTES`` (the caller runs
-    ``F.scaled_dot_product_attention`` then).
+    do not take these operands, or a step that needs gradients would hold more [T, T] squares than ``squares_fit``
+    allows (the caller runs ``F.scaled_dot_product_attention`` then).
 
     Why not ``F.scaled_dot_product_attention``: its CPU flash kernel took 9.1 ms for a SmolLM2 layer's forward +
     backward at 214 tokens (2 threads, AVX2 EPYC); these kernels take 4.2 (forward 2.29 -> 1.34 ms). They compute
@@ -174,10 +183,8 @@ def causal_attention_f32(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
     if not attention_f32_takes(q, k, v):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        b, h, t, _ = q.shape
-        blocks = -(-t // 16) * 16  # the kernels' rows: T rounded up to whole 16-row blocks
-        if 8 * b * h * blocks * blocks > _F32_BACKWARD_MAX_BYTES:
-            return None
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    if torch.is_grad_enabled() and needs_grad and not squares_fit(q.shape[0], q.shape[1], q.shape[2]):
+        return None
     out: Tensor = _CausalAttentionF32.apply(q, k, v)
     return out

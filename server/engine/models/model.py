@@ -15,7 +15,7 @@ from lorad.kernels.capabilities import cpu_bf16
 from lorad.kernels.lora_group import groupable, shared_input_lora
 from lorad.kernels.rmsnorm import RMSNorm
 from lorad.kernels.torch_backend import TorchFrozenLinear, stack_bf16
-from lorad.server.engine.models.attention import causal_attention_bf16, causal_attention_f32
+from lorad.server.engine.models.attention import causal_attention_bf16, causal_attention_f32, squares_fit
 from lorad.server.engine.models.config import TARGET_TO_HF, LoraConfig, ModelConfig
 from lorad.server.engine.models.kv_cache import KVCache
 from lorad.server.engine.models.layers import (
@@ -125,9 +125,10 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm, cfg.rms_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_eps)
-        if cache is None and t > 1 and torch.is_grad_enabled() and self._bf16_attention():
+        training = cache is None and t > 1 and torch.is_grad_enabled()
+        if training and self._bf16_attention() and squares_fit(b, cfg.num_heads, t):
             # training: q and k rotated straight into bf16 [B, H, T, hd]; bf16 GEMMs, fp32 softmax, bf16 [B, T, H*D]
-            # rows out (eval and generation: below)
+            # rows out (eval, generation and sequences too long for its [T, T] squares: below)
             qb, kb = rope_heads(q, cos, sin, bf16=True), rope_heads(k, cos, sin, bf16=True)
             return self.o_proj(causal_attention_bf16(qb, kb, v.transpose(1, 2)), adapter)
         q, k, v = rope_heads(q, cos, sin), rope_heads(k, cos, sin), v.transpose(1, 2)  # [B, H, T, hd]

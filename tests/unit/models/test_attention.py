@@ -121,6 +121,7 @@ def test_rejects_heads_that_do_not_group() -> None:
 def test_the_model_trains_with_it_only_below_fp32(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
     import lorad.server.engine.models.model as model_mod
     from lorad.kernels.capabilities import cpu_bf16
+    from lorad.server.engine.models import attention
     from lorad.server.engine.models.build import build_model
     from lorad.server.engine.models.config import LoraConfig
     from tests.unit.training.test_train_recipe import MCFG, _weights
@@ -134,6 +135,9 @@ def test_the_model_trains_with_it_only_below_fp32(monkeypatch: pytest.MonkeyPatc
     with torch.no_grad():
         m(ids, ids)  # eval: exact attention
     want = MCFG.num_layers if precision == "bf16" and cpu_bf16().native else 0
+    assert len(calls) == want
+    monkeypatch.setattr(attention, "_SQUARE_MAX_ELEMENTS", MCFG.num_heads * 32 * 32 - 1)  # 12 tokens: one 32-row block
+    m(ids, ids).backward()  # too long for the squares now: exact attention, every layer
     assert len(calls) == want
 
 
@@ -266,17 +270,17 @@ def test_f32_kernels_name_operands_they_cannot_take(f32_kernels: Any) -> None:
         causal_attention_f32(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64))
 
 
-def test_f32_kernels_leave_long_sequences_with_gradients_to_sdpa(
-    f32_kernels: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Their backward holds [B, H, T, T] probabilities and score gradients; past the bound, a step that needs
+def test_long_training_sequences_go_to_sdpa(f32_kernels: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' backward holds [B, H, T, T] probabilities and score gradients; past the bound, a step that needs
     gradients runs torch's SDPA (memory in T, not T²). Without gradients (eval) the kernels keep running."""
     from lorad.server.engine.models import attention
 
     q, k = torch.zeros(1, 4, 40, 16), torch.zeros(1, 2, 40, 16)
-    monkeypatch.setattr(attention, "_F32_BACKWARD_MAX_BYTES", 8 * 4 * 48 * 48)  # T = 40 runs in three 16-row blocks
+    monkeypatch.setattr(attention, "_SQUARE_MAX_ELEMENTS", 4 * 64 * 64)  # T = 40 counts as 64 rows (32-row blocks)
+    assert attention.squares_fit(1, 4, 40) and attention.squares_fit(1, 4, 64) and not attention.squares_fit(1, 4, 65)
+    assert not attention.squares_fit(2, 4, 40) and not attention.squares_fit(1, 5, 40)
     assert causal_attention_f32(q.requires_grad_(), k, k) is not None
-    monkeypatch.setattr(attention, "_F32_BACKWARD_MAX_BYTES", 8 * 4 * 48 * 48 - 1)
+    monkeypatch.setattr(attention, "_SQUARE_MAX_ELEMENTS", 4 * 64 * 64 - 1)
     assert causal_attention_f32(q, k, k) is None
     with torch.no_grad():
         assert causal_attention_f32(q, k, k) is not None
