@@ -1050,6 +1050,26 @@ int64_t balanced_block(int64_t t, int64_t n) { return (t & 1) ? n - 1 - t / 2 : 
 
 uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
+// One query row's softmax over its first `valid` scores s (scaled by `scale` here): s becomes e^(s·scale − max) in
+// place; returns 1/Σ (0 for a row with no keys, a padding row) and the row's log-sum-exp, which the backward recomputes
+// the probabilities from.
+struct RowSoftmax {
+  float inv, lse;
+};
+
+inline RowSoftmax row_exps(float* s, int64_t valid, float scale) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j] * scale);
+  float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+  for (int64_t j = 0; j < valid; ++j) {
+    s[j] = exp_poly(s[j] * scale - m);
+    z += s[j];
+  }
+  return {valid > 0 ? 1.0f / z : 0.0f, m + std::log(z)};
+}
+
 // x [B, G, T, D] (float32 or bfloat16, contiguous D, any other strides) as bf16 rows [B, G, rows, D], zero past T;
 // x itself when it already is that (bf16, contiguous, T == rows).
 at::Tensor rows_bf16(const at::Tensor& x, int64_t rows) {
@@ -1140,7 +1160,8 @@ at::Tensor transposed_bf16(const at::Tensor& r) {
   return o;
 }
 
-void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// q [B, H, T, D] and k, v [B, KV, T, D] with H a multiple of KV, D of head_multiple, and T > 0.
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t head_multiple) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, H, T, D] tensors, got ", q.sizes(),
               ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
@@ -1148,7 +1169,8 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               v.sizes());
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "query heads ", q.size(1),
               " are not a multiple of key/value heads ", k.size(1));
-  TORCH_CHECK(q.size(3) % kAttnCols == 0, "head dim must be a multiple of ", kAttnCols, ", got ", q.size(3));
+  TORCH_CHECK(q.size(3) > 0 && q.size(3) % head_multiple == 0, "head dim must be a multiple of ", head_multiple,
+              ", got ", q.size(3));
   TORCH_CHECK(q.size(2) > 0, "no tokens");
 }
 
@@ -1254,7 +1276,7 @@ bool attention_amx_ready(int64_t head_dim) {
 // the backward).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                                      const at::Tensor& v, double scale_d) {
-  check_attention(q, k, v);
+  check_attention(q, k, v, kAttnCols);
   TORCH_CHECK(attention_amx_ready(0), "causal_attention_fwd needs AMX tiles (this build or process has none)");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), g = H / KV;
   const int64_t Tk = round_up(T, 32), nq = Tk / kAttnRows;
@@ -1282,20 +1304,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_fwd(const at::Te
         const int64_t i = i0 + r, valid = i < T ? i + 1 : 0;  // keys 0..i; padding rows get P = 0
         float* s = S.data() + r * Tk;
         uint16_t* pr = P.data() + r * Tk;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j] * scale);
-        float z = 0.0f;
-#pragma omp simd reduction(+ : z)
-        for (int64_t j = 0; j < valid; ++j) {
-          s[j] = exp_poly(s[j] * scale - m);
-          z += s[j];
-        }
-        const float inv = valid > 0 ? 1.0f / z : 0.0f;
+        const RowSoftmax sm = row_exps(s, valid, scale);
 #pragma omp simd
-        for (int64_t j = 0; j < valid; ++j) pr[j] = to_bf16(s[j] * inv);
+        for (int64_t j = 0; j < valid; ++j) pr[j] = to_bf16(s[j] * sm.inv);
         for (int64_t j = valid; j < n32; ++j) pr[j] = 0;
-        if (i < T) lp[bh * T + i] = m + std::log(z);
+        if (i < T) lp[bh * T + i] = sm.lse;
       }
       for (int64_t c0 = 0; c0 < D; c0 += kAttnCols) {
         tiles_ab64(P.data(), Tk, vp + kvh * Tk * D + c0 * 2, D, n32, O.data());
@@ -1318,7 +1331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_bwd(const at::Te
                                                                      const at::Tensor& lse, double scale_d) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1), g = H / std::max<int64_t>(1, KV);
   const int64_t Tk = round_up(T, 32), nq = Tk / kAttnRows;
-  check_attention(q, k, k);
+  check_attention(q, k, k, kAttnCols);
   TORCH_CHECK(vr.dim() == 4 && vr.size(0) == B && vr.size(1) == KV && vr.size(2) == Tk && vr.size(3) == D &&
                   vr.scalar_type() == at::kBFloat16 && vr.is_contiguous(),
               "vr must be causal_attention_fwd's bf16 rows of v [", B, ", ", KV, ", ", Tk, ", ", D, "], got ",
@@ -1488,18 +1501,12 @@ at::Tensor padded_columns_f32(const at::Tensor& x, int64_t cols) {
 }
 
 // Head dims the fp32 kernels take: whole vectors of 16 floats.
-bool attention_f32_ready(int64_t head_dim) { return head_dim > 0 && head_dim % 16 == 0; }
+constexpr int64_t kF32HeadMultiple = 16;
+
+bool attention_f32_ready(int64_t head_dim) { return head_dim > 0 && head_dim % kF32HeadMultiple == 0; }
 
 void check_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, H, T, D] tensors, got ", q.sizes(),
-              ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
-              "k and v must be [", q.size(0), ", KV, ", q.size(2), ", ", q.size(3), "], got ", k.sizes(), " and ",
-              v.sizes());
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "query heads ", q.size(1),
-              " are not a multiple of key/value heads ", k.size(1));
-  TORCH_CHECK(attention_f32_ready(q.size(3)), "head dim must be a multiple of 16, got ", q.size(3));
-  TORCH_CHECK(q.size(2) > 0, "no tokens");
+  check_attention(q, k, v, kF32HeadMultiple);
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat, "q, k, v must be float32, got ", t->scalar_type());
   }
@@ -1530,20 +1537,11 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_f32_fwd(const at::Tensor& q,
       for (int64_t r = 0; r < kAttnRows; ++r) {
         const int64_t i = i0 + r, valid = i < T ? i + 1 : 0;  // keys 0..i; padding rows get P = 0
         float* s = S.data() + r * Tk;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < valid; ++j) m = std::max(m, s[j] * scale);
-        float z = 0.0f;
-#pragma omp simd reduction(+ : z)
-        for (int64_t j = 0; j < valid; ++j) {
-          s[j] = exp_poly(s[j] * scale - m);
-          z += s[j];
-        }
-        const float inv = valid > 0 ? 1.0f / z : 0.0f;
+        const RowSoftmax sm = row_exps(s, valid, scale);
 #pragma omp simd
-        for (int64_t j = 0; j < valid; ++j) s[j] *= inv;
+        for (int64_t j = 0; j < valid; ++j) s[j] *= sm.inv;
         for (int64_t j = valid; j < n16; ++j) s[j] = 0.0f;
-        if (i < T) lp[bh * T + i] = m + std::log(z);
+        if (i < T) lp[bh * T + i] = sm.lse;
       }
       f32_product(S.data(), Tk, 1, vp + b * vs0 + (h / g) * vs1, vs2, kAttnRows, D, n, O.data(), D, false);
       for (int64_t r = 0; r < kAttnRows && i0 + r < T; ++r) {

@@ -84,18 +84,21 @@ def test_amx_kernels_agree_with_the_torch_path_and_take_less_memory(amx: Any) ->
     assert not any(t.shape[-1] == 100 and t.dim() >= 3 and t.shape[-2] >= 100 for t in saved)  # no [.., T, T]
 
 
-def test_amx_kernels_give_the_same_bits_at_any_thread_count(amx: Any) -> None:
-    q, k, v, dout = _operands(2, 4, 2, 70, 64)
+def _same_bits_at_any_thread_count(run: Any, *operands: torch.Tensor) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _run(q, k, v, dout)
+        one = run(*operands)
         torch.set_num_threads(max(2, threads))
-        many = _run(q, k, v, dout)
+        many = run(*operands)
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, many, strict=True):
         assert torch.equal(a, b)
+
+
+def test_amx_kernels_give_the_same_bits_at_any_thread_count(amx: Any) -> None:
+    _same_bits_at_any_thread_count(_run, *_operands(2, 4, 2, 70, 64))
 
 
 def test_amx_kernels_name_operands_they_cannot_take(amx: Any) -> None:
@@ -233,17 +236,7 @@ def test_f32_kernels_take_q_contiguous_or_strided(f32_kernels: Any) -> None:
 def test_f32_kernels_give_the_same_bits_at_any_thread_count(f32_kernels: Any) -> None:
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, 70, 64, generator=g), torch.randn(2, 2, 70, 64, generator=g), torch.randn(2, 2, 70, 64)
-    dout = torch.randn(2, 70, 4 * 64, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _f32_run(q, k, v, dout)
-        torch.set_num_threads(max(2, threads))
-        many = _f32_run(q, k, v, dout)
-    finally:
-        torch.set_num_threads(threads)
-    for a, b in zip(one, many, strict=True):
-        assert torch.equal(a, b)
+    _same_bits_at_any_thread_count(_f32_run, q, k, v, torch.randn(2, 70, 4 * 64, generator=g))
 
 
 def test_f32_kernels_name_operands_they_cannot_take(f32_kernels: Any) -> None:
