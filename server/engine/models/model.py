@@ -125,14 +125,14 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm, cfg.rms_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_eps)
-        training = cache is None and t > 1 and torch.is_grad_enabled()
-        if training and self._bf16_attention() and squares_fit(b, cfg.num_heads, t):
+        causal = cache is None and t > 1  # a whole sequence at once: training, eval, a prompt without a cache
+        if causal and torch.is_grad_enabled() and self._bf16_attention() and squares_fit(b, cfg.num_heads, t):
             # training: q and k rotated straight into bf16 [B, H, T, hd]; bf16 GEMMs, fp32 softmax, bf16 [B, T, H*D]
             # rows out (eval, generation and sequences too long for its [T, T] squares: below)
             qb, kb = rope_heads(q, cos, sin, bf16=True), rope_heads(k, cos, sin, bf16=True)
             return self.o_proj(causal_attention_bf16(qb, kb, v.transpose(1, 2)), adapter)
         q, k, v = rope_heads(q, cos, sin), rope_heads(k, cos, sin), v.transpose(1, 2)  # [B, H, T, hd]
-        if cache is None and t > 1:  # fp32 training and eval: the fused kernels' rows for o_proj, where they run
+        if causal:  # fp32 training and eval: the fused kernels' rows for o_proj, where they run
             rows = causal_attention_f32(q, k, v)
             if rows is not None:
                 return self.o_proj(rows, adapter)
