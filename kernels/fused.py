@@ -9,20 +9,22 @@ exp is a polynomial, their sums run in another order), and each path gives the s
 same operands, which is what the training nodes need to recompute instead of saving.
 
 SmolLM2 at 256 tokens on the AMX Xeon, 16 paired interleaved steps: 411 -> 382 ms a step for the norm and SwiGLU
-kernels. In isolation (2 threads, one layer's shapes): RMSNorm forward with its bf16 copy 66 -> 24 us, backward
-95 -> 39 us, SwiGLU forward with its bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us; RoPE
-of q into bf16 57 -> 19 us and back 82 -> 21 us (-7 ms a step in 16 pairs); the loss's softmax over ~200 bf16 logit
-rows of 49,152 words 8.5 -> 4.2 ms (-6 ms a step in 16 pairs); gate/up's LoRA terms inside the SwiGLU passes
+kernels. In isolation (2 threads, one layer's shapes): RMSNorm forward with its bf16 copy 66 -> 24 us, backward 95 -> 39
+us, SwiGLU forward with its bf16 copy 179 -> 116 us, SwiGLU backward with its bf16 copy 610 -> 190 us; RoPE of q into
+bf16 57 -> 19 us and back 82 -> 21 us (-7 ms a step in 16 pairs); the loss's softmax over ~200 bf16 logit rows of 49,152
+words 8.5 -> 4.2 ms (-6 ms a step in 16 pairs); gate/up's LoRA terms inside the SwiGLU passes
 (``lora_swiglu_forward``/``_backward``) 320 -> 220 us forward and 510 -> 350 us backward (-2.5 ms a step in 30 pairs);
 causal attention on AMX tiles (``causal_attention_forward``/``_backward``, where the CPU has them) 719 -> 611 us forward
-and 911 -> 818 us backward per layer inside the step (-6.9 ms a step in 24 pairs); a bf16 GEMM's product widened with
-its LoRA term in one pass (``widen_lowrank``: q/k/v/o/down outputs and every input gradient of a block) where torch
-widened and then added the term through MKL's thin GEMM, 52 -> 25 us at [256, 576] and rank 8, even at [256, 1536]
-(-8.3 ms a step in two runs of 16 interleaved pairs); gate's and up's LoRA gradients inside the SwiGLU backward's pass
-(``lora_swiglu_backward_grads``), 664 -> 522 us a layer with the thin products it replaces; and for every other
+and 911 -> 818 us backward per layer inside the step (-6.9 ms a step in 24 pairs; on the AVX512-BF16 Zen 5, the same
+kernels with vdpbf16ps register tiles: 1.06 -> 0.49 ms forward and 1.37 -> 1.22 ms backward a SmolLM2 layer at 214
+tokens against the torch path, about -20 to -30 ms a step in two runs of 13 interleaved pairs); a bf16 GEMM's product
+widened with its LoRA term in one pass (``widen_lowrank``: q/k/v/o/down outputs and every input gradient of a block)
+where torch widened and then added the term through MKL's thin GEMM, 52 -> 25 us at [256, 576] and rank 8, even at [256,
+1536] (-8.3 ms a step in two runs of 16 interleaved pairs); gate's and up's LoRA gradients inside the SwiGLU backward's
+pass (``lora_swiglu_backward_grads``), 664 -> 522 us a layer with the thin products it replaces; and for every other
 adapted layer, g, dB and the bf16 operand of its input-gradient GEMM from one pass over its output gradient
-(``lora_out_grads``, -9 ms a step); the LoRA A gradients of the layers after an RMSNorm summed while the normed rows
-are recomputed a tile at a time (``rms_norm_a_grads``, -5 ms a step).
+(``lora_out_grads``, -9 ms a step); the LoRA A gradients of the layers after an RMSNorm summed while the normed rows are
+recomputed a tile at a time (``rms_norm_a_grads``, -5 ms a step).
 
 On a 2-core AVX2 EPYC (2 threads, T = 214): ``lowrank_rows`` (h = x·Aᵀ of every adapted layer) 125 -> 75 us at
 [214, 576] rank 8 and 235 -> 126 us at [214, 1536] against MKL's best layout; with the kernels' vectors split into the
@@ -216,7 +218,8 @@ def describe() -> tuple[bool, str]:
     if decided:
         if ops is None:
             return False, f"{detail}; torch ops run instead"
-        tiles = "; attention on AMX tiles" if ops.attention_amx_ready(0) else ""
+        unit = ops.attention_bf16_unit()
+        tiles = f"; attention on {unit}" if unit else ""
         return True, f"active ({detail}){tiles}"
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False, f"off ({ENV_SWITCH}=0); torch ops run instead"
@@ -507,14 +510,14 @@ def softmax_xent_bf16_(logits: Tensor, labels: Tensor, denom: float | None) -> T
 
 
 def causal_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Causal grouped-query attention of q [B, H, T, D] over k, v [B, KV, T, D] on AMX tiles: ``(out, lse, vr)``, the
-    bf16 rows [B, T, H*D] o_proj multiplies, each row's fp32 log-sum-exp of its scaled scores [B, H, T], and v's bf16
-    rows for the backward. The products run in bf16 with fp32 accumulation and only over the causal half; the softmax
-    is fp32, its probabilities rounded to bf16 for the P·V product. None where the kernels do not run it (not built,
-    a CPU or kernel without AMX tiles, a head dim the kernels do not take: they say which): the caller's torch path
-    runs then."""
+    """Causal grouped-query attention of q [B, H, T, D] over k, v [B, KV, T, D] on AMX tiles or with AVX512-BF16 dot
+    products: ``(out, lse, vr)``, the bf16 rows [B, T, H*D] o_proj multiplies, each row's fp32 log-sum-exp of its
+    scaled scores [B, H, T], and v's bf16 rows for the backward. The products run in bf16 with fp32 accumulation and
+    only over the causal half; the softmax is fp32, its probabilities rounded to bf16 for the P·V product. None where
+    the kernels do not run it (not built, a CPU with neither, a head dim the kernels do not take: they say which): the
+    caller's torch path runs then."""
     ops = kernels()
-    if ops is None or not ops.attention_amx_ready(int(q.shape[-1])):
+    if ops is None or not ops.attention_bf16_ready(int(q.shape[-1])):
         return None
     out, lse, vr = ops.causal_attention_fwd(q, k, v, float(scale))
     return out, lse, vr

@@ -607,4 +607,7 @@ def test_describe_says_what_runs_without_building_anything(tmp_path: Path, monke
 def test_describe_names_the_loaded_library(ops: object) -> None:
     active, detail = fused.describe()
     assert active and detail.startswith("active (") and "lorad_fused-" in detail
-    assert detail.endswith("; attention on AMX tiles") is bool(fused.kernels().attention_amx_ready(0))  # type: ignore[union-attr]
+    unit = fused.kernels().attention_bf16_unit()  # type: ignore[union-attr]
+    assert unit in ("AMX tiles", "AVX512-BF16", "")
+    assert bool(unit) is bool(fused.kernels().attention_bf16_ready(0))  # type: ignore[union-attr]
+    assert detail.endswith(f"; attention on {unit}") is bool(unit)

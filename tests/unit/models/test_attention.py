@@ -15,15 +15,17 @@ from lorad.server.engine.models.attention import causal_attention_bf16, causal_a
 
 
 @pytest.fixture
-def amx() -> Any:
-    """The kernels, where they run attention on AMX tiles; else the test is skipped (the torch path runs there)."""
+def bf16_kernels() -> Any:
+    """The kernels, where they run bf16 attention (on AMX tiles or with AVX512-BF16 dot products); else the test is
+    skipped (the torch path runs there)."""
     ops = fused.kernels()
-    if ops is None or not ops.attention_amx_ready(0):
-        pytest.skip("no AMX tiles here: the torch path is the one that runs")
+    if ops is None or not ops.attention_bf16_ready(0):
+        pytest.skip("no AMX tiles or AVX512-BF16 here: the torch path is the one that runs")
     return ops
 
 
-# Head dims of 64 and 128 run the AMX kernels where this machine has them (the torch path elsewhere), 32 the torch path.
+# Head dims of 64 and 128 run the bf16 kernels where this machine has them (the torch path elsewhere), 32 the torch
+# path.
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "t", "d"),
     [(9, 3, 64, 32), (4, 4, 17, 32), (6, 1, 5, 32), (9, 3, 256, 64), (4, 2, 33, 64), (3, 1, 2, 64), (2, 2, 47, 128)],
@@ -68,15 +70,15 @@ def _operands(b: int, h: int, kv: int, t: int, d: int) -> tuple[torch.Tensor, ..
     return q, k, v, torch.randn(b, t, h * d, generator=g).to(torch.bfloat16)
 
 
-def test_amx_kernels_agree_with_the_torch_path_and_take_less_memory(amx: Any) -> None:
-    """The tile kernels compute what the torch path computes (both bf16 products over fp32 softmax; the kernels skip
+def test_bf16_kernels_agree_with_the_torch_path_and_take_less_memory(bf16_kernels: Any) -> None:
+    """The kernels compute what the torch path computes (both bf16 products over fp32 softmax; the kernels skip
     the masked half and keep no probabilities for the backward), in the dtypes autograd expects."""
     q, k, v, dout = _operands(1, 9, 3, 100, 64)
-    tiles = _run(q, k, v, dout)
+    kernels = _run(q, k, v, dout)
     with fused.disabled():
         torch_path = _run(q, k, v, dout)
-    assert [x.dtype for x in tiles] == [x.dtype for x in torch_path] == [torch.bfloat16] * 3 + [torch.float32]
-    for a, b in zip(tiles, torch_path, strict=True):
+    assert [x.dtype for x in kernels] == [x.dtype for x in torch_path] == [torch.bfloat16] * 3 + [torch.float32]
+    for a, b in zip(kernels, torch_path, strict=True):
         assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-2
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -97,13 +99,13 @@ def _same_bits_at_any_thread_count(run: Any, *operands: torch.Tensor) -> None:
         assert torch.equal(a, b)
 
 
-def test_amx_kernels_give_the_same_bits_at_any_thread_count(amx: Any) -> None:
+def test_bf16_kernels_give_the_same_bits_at_any_thread_count(bf16_kernels: Any) -> None:
     _same_bits_at_any_thread_count(_run, *_operands(2, 4, 2, 70, 64))
 
 
-def test_amx_kernels_name_operands_they_cannot_take(amx: Any) -> None:
-    ops = amx  # the head dims they take, which causal_attention_forward asks before calling them
-    assert ops.attention_amx_ready(64) and ops.attention_amx_ready(128) and not ops.attention_amx_ready(32)
+def test_bf16_kernels_name_operands_they_cannot_take(bf16_kernels: Any) -> None:
+    ops = bf16_kernels  # the head dims they take, which causal_attention_forward asks before calling them
+    assert ops.attention_bf16_ready(64) and ops.attention_bf16_ready(128) and not ops.attention_bf16_ready(32)
     q, k, _, _ = _operands(1, 4, 2, 8, 64)
     with pytest.raises(RuntimeError, match="not a multiple of key/value heads 3"):
         ops.causal_attention_fwd(q, torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64), 0.125)
