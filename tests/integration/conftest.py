@@ -20,8 +20,9 @@ from lorad.client.demo.daemon import write_probe
 from lorad.server.config import build_config
 from lorad.v1 import (
     apps_pb2,
+    device_pb2,
 )
-from tests.integration.helpers import GOOD, Stubs
+from tests.integration.helpers import GOOD, Stubs, wait_for
 
 
 class DaemonHandle:
@@ -60,7 +61,20 @@ class DaemonHandle:
         self.channels: list[grpc.Channel] = []
 
     def set_probe(self, values: dict[str, Any]) -> None:
+        """Writes the probe file; once the daemon runs, waits until it has read these values, so what the test does
+        next (a CreateJob that should wait, say) meets them and not the readings of the poll before."""
         write_probe(self.probe_file, values)
+        if not hasattr(self, "channels"):
+            return  # the daemon reads them as it starts
+        keys = ("battery_percent", "charging", "temperature_celsius", "idle")
+        want = tuple(values.get(k) for k in keys)
+        owner = self.owner()
+
+        def seen() -> bool:
+            r = owner.device.GetDeviceStatus(device_pb2.GetDeviceStatusRequest(), metadata=owner.md).readings
+            return tuple(getattr(r, k) if r.HasField(k) else None for k in keys) == want
+
+        wait_for(seen, 30, f"the daemon to read the probe values {values}")
 
     def channel(self, tcp: bool = False) -> grpc.Channel:
         target = f"127.0.0.1:{self.daemon.tcp_port}" if tcp else f"unix:{self.daemon.socket_path}"
