@@ -74,6 +74,7 @@ if TYPE_CHECKING:
         TextSample,
         prepare,
     )
+    from lorad.server.engine.training.heartbeat import PERIOD_S as HEARTBEAT_PERIOD_S
     from lorad.server.engine.training.heartbeat import Heartbeat
     from lorad.server.engine.training.knobs import Knob
     from lorad.server.engine.training.packing import BatchStream, eval_batches, trim_tail
@@ -118,6 +119,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     **{n: (_E + "training.data", n) for n in ("ChatSample", "DataError", "DataReport", "Message", "PreparedData",
                                               "Sample", "TextSample", "prepare")},
     "Heartbeat": (_E + "training.heartbeat", "Heartbeat"),
+    "HEARTBEAT_PERIOD_S": (_E + "training.heartbeat", "PERIOD_S"),
     "Knob": (_E + "training.knobs", "Knob"),
     **{n: (_E + "training.packing", n) for n in ("BatchStream", "eval_batches", "trim_tail")},
     **{n: (_E + "training.precision", n) for n in ("JobPlan", "known_plan", "plan_job", "plans_here")},
@@ -148,6 +150,7 @@ def warm_up() -> None:
 
 
 __all__ = [
+    "HEARTBEAT_PERIOD_S",
     "METADATA_FILE",
     "Adapter",
     "AdapterBaseMismatchError",

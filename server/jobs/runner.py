@@ -20,6 +20,7 @@ import structlog
 
 from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.probes import Readings
+from lorad.server.engine.api import HEARTBEAT_PERIOD_S
 from lorad.server.errors import FailedPrecondition, NotFound
 from lorad.server.jobs.files import Layout, remove_tree, scrub_paths, tree_size
 from lorad.server.jobs.hub import EventHub
@@ -436,10 +437,13 @@ class Runner:
 
 
 # A PHASE event is written when the phase changes, its fraction moved on by this much (planning reports often), or
-# this long after the last one (a listener hears at least every ~1 s from a slow phase; the engine's planning
-# heartbeat repeats the fraction once a second).
+# this long after the last one. The engine's heartbeat repeats a slow phase's fraction every HEARTBEAT_PERIOD_S; at half
+# that, every repeat is written unless an event came in the half period before it, so a listener waits at most 1.5
+# periods. At a whole period a repeat that came just under a period after a fraction's event was dropped and the next
+# one came a period later: a 2.13 s gap between planning events with two other processes spinning (Zen 5, 2 cores),
+# past the 2 s budget.
 PHASE_EVENT_STEP = 0.05
-PHASE_EVENT_EVERY_S = 1.0
+PHASE_EVENT_EVERY_S = HEARTBEAT_PERIOD_S / 2
 
 
 class _Sink:

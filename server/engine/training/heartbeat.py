@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+PERIOD_S = 1.0
+"""How often a Heartbeat repeats its fraction (the daemon writes every repeat: ``jobs.runner.PHASE_EVENT_EVERY_S``)."""
+
 
 class Heartbeat:
     """Reports a fraction when it moves and again every ``period_s`` from a timer thread, so a listener hears from a
@@ -12,7 +15,7 @@ class Heartbeat:
     on a busy one). Reports never run concurrently; the last one is sent before ``__exit__`` returns.
     """
 
-    def __init__(self, report: Callable[[float | None], None], period_s: float = 1.0,
+    def __init__(self, report: Callable[[float | None], None], period_s: float = PERIOD_S,
                  fraction: float | None = None) -> None:  # fmt: skip
         """``fraction``: what the timer repeats until ``set`` is called (the caller has reported it already)."""
         self._report, self._period = report, period_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from lorad.server.device.probes import Readings
+from lorad.server.engine.api import HEARTBEAT_PERIOD_S, Heartbeat
 from lorad.server.engine.training.config import job_config
 from lorad.server.jobs import EventHub, Layout, Runner
 from lorad.server.jobs.session import AdapterArtifact, SessionOutcome, SessionRequest, SessionSink
-from lorad.server.records import Blocked, EventKind, Job, JobSpec, JobState, Quota, Requirements
+from lorad.server.records import Blocked, EventKind, Job, JobSpec, JobState, Phase, Quota, Requirements
 from lorad.server.store import AdapterRepo, AppRepo, Database, JobRepo, SampleRepo
 
 SPEC = JobSpec(("ds",), job_config({"steps": 3}), Requirements(False, 0, 80.0, False))
@@ -314,3 +316,41 @@ def test_a_job_whose_result_cannot_be_recorded_fails_with_the_cause(
     assert says in got.error_message
     assert AdapterRepo(world.db).count("app") == 0
     assert list((layout.app_dir("app") / "adapters").iterdir()) == []
+
+
+class Planning:
+    """A session in a long planning phase as the engine runs one: its heartbeat repeats the fraction every period,
+    and one real move comes 0.45 periods in; then it waits to be stopped."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
+
+    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
+        with Heartbeat(lambda f: sink.phase(Phase.PLANNING, f)) as beat:
+            beat.set(0.0)
+            time.sleep(0.45 * HEARTBEAT_PERIOD_S)
+            beat.set(0.5)
+            time.sleep(2.3 * HEARTBEAT_PERIOD_S)
+        self.done.set()
+        while not should_stop():
+            time.sleep(0.01)
+        return SessionOutcome(completed=False)
+
+
+def test_a_listener_hears_from_a_slow_phase_every_heartbeat(world: World) -> None:
+    """Every heartbeat repeat becomes an event even just after a fraction's own event: the gap between a slow phase's
+    events stays near one heartbeat period (the budget is an event at least every 2 s). When the runner dropped
+    repeats for a whole period after any event, the repeat after the move was dropped and the gap was ~1.55 periods
+    here."""
+    done = threading.Event()
+    r = Runner(world.jobs, SampleRepo(world.db), AdapterRepo(world.db), Layout(world.tmp), lambda req: Planning(done),
+               EventHub(), lambda: GOOD, 2)  # fmt: skip
+    job = world.job()
+    r.start()
+    assert done.wait(30)
+    evs, _ = world.jobs.events(job.job_id, 0, 1000)
+    at = [e.time_ms / 1000 for e in evs if e.kind is EventKind.PHASE and e.progress.phase is Phase.PLANNING]
+    assert len(at) >= 3, at
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    assert max(gaps) < 1.3 * HEARTBEAT_PERIOD_S, gaps
+    assert r.close(10)
