@@ -6,7 +6,8 @@ import threading
 from collections.abc import Callable
 
 PERIOD_S = 1.0
-"""How often a Heartbeat repeats its fraction (the daemon writes every repeat: ``jobs.runner.PHASE_EVENT_EVERY_S``)."""
+"""How often a Heartbeat repeats its fraction. The daemon writes each repeat as an event unless another event of the
+phase came in the half period before (``jobs.runner.PHASE_EVENT_EVERY_S``)."""
 
 
 class Heartbeat:
