@@ -1034,11 +1034,11 @@ at::Tensor softmax_xent_bf16_(at::Tensor& logits, const at::Tensor& labels, doub
 // Forward and backward of causal grouped-query attention for training, q [B, H, T, D], k and v [B, KV, T, D], with
 // every product a bf16 dot product with fp32 sums, on the CPU's AMX unit (16 x 16 fp32 += 16 x 32 bf16 · 32 x 16 bf16
 // per instruction) or, without AMX, with AVX512-BF16's vdpbf16ps in register tiles (AMD Zen 4/5, Intel Cooper Lake),
-// and only the causal half of the score matrix computed: a task owns 16 query rows of one head, computes their
-// scores against the keys up to its last row, takes the softmax in fp32 (bf16 probabilities for the next product, as
-// the torch path rounds them) and multiplies by V. Nothing [T, T]-sized is kept for the backward: it recomputes the
-// scores from the saved log-sum-exp. The backward's first pass (per 16 query rows) gives dS = P·(dP − Σ P·dP)·scale and dQ = dS·K; its
-// second (per 16 keys) sums dV = Pᵀ·dO and dK = dSᵀ·Q over the query heads of one KV head, in a fixed order: every
+// and only the causal half of the score matrix computed: a task owns 16 query rows of one head, computes their scores
+// against the keys up to its last row, takes the softmax in fp32 (bf16 probabilities for the next product, as the torch
+// path rounds them) and multiplies by V. Nothing [T, T]-sized is kept for the backward: it recomputes the scores from
+// the saved log-sum-exp. The backward's first pass (per 16 query rows) gives dS = P·(dP − Σ P·dP)·scale and dQ = dS·K;
+// its second (per 16 keys) sums dV = Pᵀ·dO and dK = dSᵀ·Q over the query heads of one KV head, in a fixed order: every
 // element is computed by one task in one order, so results do not depend on the thread count.
 //
 // Operand layouts, per head, bf16 bits, rows beyond T zero (the tiles read whole 16- and 32-row blocks):
@@ -1371,18 +1371,6 @@ inline float key_grad_at(const float* C, int64_t r, int64_t d) { return C[r * kA
 at::Tensor key_grad_operand(const at::Tensor& rows) { return row_pairs(rows); }
 #endif
 
-// Whether causal_attention_fwd/bwd run for this head dim here (built with AMX, tile state granted, or with
-// AVX512-BF16; D a multiple of kAttnCols); head_dim 0 asks about the unit alone.
-bool attention_bf16_ready(int64_t head_dim) {
-#if defined(LORAD_AMX)
-  return head_dim % kAttnCols == 0 && amx_permitted();
-#elif defined(LORAD_AVX512BF16)
-  return head_dim % kAttnCols == 0;
-#else
-  return false;
-#endif
-}
-
 // The unit causal_attention_fwd/bwd run their products on: "AMX tiles", "AVX512-BF16", or "" (they do not run here).
 std::string attention_bf16_unit() {
 #if defined(LORAD_AMX)
@@ -1393,6 +1381,10 @@ std::string attention_bf16_unit() {
   return "";
 #endif
 }
+
+// Whether causal_attention_fwd/bwd run for this head dim here (a unit above, D a multiple of kAttnCols); head_dim 0
+// asks about the unit alone.
+bool attention_bf16_ready(int64_t head_dim) { return head_dim % kAttnCols == 0 && !attention_bf16_unit().empty(); }
 
 // Forward: (out [B, T, H·D] bf16, the rows o_proj multiplies; lse [B, H, T] fp32; v's bf16 rows [B, KV, Tk, D] for
 // the backward).

@@ -43,7 +43,7 @@ class DaemonHandle:
 
         self.data_dir = data_dir
         self.probe_file = data_dir.parent / f"{data_dir.name}-probe.json"
-        self.set_probe(GOOD if probe_values is None else probe_values)
+        write_probe(self.probe_file, GOOD if probe_values is None else probe_values)  # read as the daemon starts
         cfg = build_config({
             "storage": {"data_dir": str(data_dir)},
             "server": {"tcp_address": "127.0.0.1:0" if tcp else "", "shutdown_grace_seconds": 1.0},
@@ -61,11 +61,9 @@ class DaemonHandle:
         self.channels: list[grpc.Channel] = []
 
     def set_probe(self, values: dict[str, Any]) -> None:
-        """Writes the probe file; once the daemon runs, waits until it has read these values, so what the test does
+        """Writes the probe file and waits until the running daemon has read these values, so what the test does
         next (a CreateJob that should wait, say) meets them and not the readings of the poll before."""
         write_probe(self.probe_file, values)
-        if not hasattr(self, "channels"):
-            return  # the daemon reads them as it starts
         keys = ("battery_percent", "charging", "temperature_celsius", "idle")
         want = tuple(values.get(k) for k in keys)
         owner = self.owner()
