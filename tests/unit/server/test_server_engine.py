@@ -222,13 +222,15 @@ def test_model_facts_never_wait_for_the_first_read_and_name_an_unreadable_model(
     from lorad.server import modelhost
     from lorad.server.modelhost import READING, UNREADABLE, ModelFacts
 
-    gate, real = threading.Event(), api.resolve
+    # Every read starts with the cache lookup (a missing source fails right there, before any conversion), so the gate
+    # holds each read, the retry of the missing one included.
+    gate, real = threading.Event(), api.cached_checkpoint
 
     def slow(*a: Any, **k: Any) -> Any:
         gate.wait(30)
         return real(*a, **k)
 
-    monkeypatch.setattr(api, "resolve", slow)
+    monkeypatch.setattr(api, "cached_checkpoint", slow)
     host = ModelHost(str(tiny), (str(tmp_path / "gone"),), tmp_path / "cache", decide_backend("torch"))
     t0 = time.monotonic()
     assert host.facts("") == READING and host.facts("") == READING and time.monotonic() - t0 < 1.0
