@@ -432,7 +432,8 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
         t, c = time.perf_counter(), time.process_time()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr=LR, steps=a.steps, warmup_steps=WARMUP_LR, schedule="cosine")
-        x, y = trim(*stream.next_batch())
+        b = stream.next_batch()
+        x, y = trim(b.input_ids, b.labels)
         fed.append(int(x.shape[1]))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=x, labels=y).loss

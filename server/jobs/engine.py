@@ -132,7 +132,7 @@ class EngineSession:
             sink.progress(
                 Progress(step=pr.step, total_steps=pr.total_steps, train_loss=float(pr.loss), eval_loss=state["eval"],
                          tokens_per_second=float(pr.tokens_per_s), eta_seconds=int(eta) if eta is not None else None,
-                         learning_rate=float(pr.lr), tokens_seen=pr.step * cfg.tokens_per_step),
+                         learning_rate=float(pr.lr), tokens_seen=pr.tokens_seen),
                 evaluated=pr.eval_loss is not None,
             )  # fmt: skip
 

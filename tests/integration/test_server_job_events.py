@@ -57,6 +57,11 @@ def test_every_step_has_progress_phases_are_typed_and_rejections_are_counted(mak
     assert (data.train_samples, data.eval_samples) == (2, 1)
     assert done.progress.HasField("eval_loss") and done.progress.HasField("eval_loss_before")
     assert done.progress.data == data, "the job keeps its data summary"
+    # Tokens count the samples' own, not padding: a step of 2 sequences here is whole epochs of the two short samples.
+    seen = [e.progress.tokens_seen for e in ev if e.kind == S.JOB_EVENT_KIND_PROGRESS]
+    per_step = seen[0]
+    assert seen == [k * per_step for k in range(1, 6)] and done.progress.tokens_seen == seen[-1]
+    assert per_step % data.train_tokens == 0 and per_step < 2 * 64, (per_step, data.train_tokens)
     assert not [e for e in ev if e.kind == S.JOB_EVENT_KIND_WARNING]
     # A finished job is in no phase.
     assert done.phase == S.JOB_PHASE_UNSPECIFIED and not done.HasField("phase_fraction")

@@ -316,13 +316,15 @@ class JobProgress(_message.Message):
     eval_loss_before: _builtins.float
     """Held-out loss of the base model before training; unset before it was measured."""
     tokens_per_second: _builtins.float
-    """Training throughput over recent steps, tokens per second."""
+    """Training throughput over recent steps: the samples' tokens (padding excluded) per second."""
     eta_seconds: _builtins.int
     """Estimated time to completion of the training, seconds; unset when unknown."""
     learning_rate: _builtins.float
     """Learning rate of the last step."""
     tokens_seen: _builtins.int
-    """Training tokens processed so far."""
+    """The samples' tokens trained on so far (padding excluded), repeats over epochs included: in the unit of
+    JobData.train_tokens, one epoch's worth.
+    """
     @_builtins.property
     def data(self) -> Global___JobData:
         """How the samples were used; unset until the data is prepared."""

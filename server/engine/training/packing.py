@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -14,10 +15,21 @@ IGNORE = -100  # label value the loss skips (Hugging Face convention)
 
 @dataclass(frozen=True)
 class PackedSeq:
-    """One training sequence: `seq_len` input ids and labels aligned with them (IGNORE where no loss)."""
+    """One training sequence: `seq_len` input ids and labels aligned with them (IGNORE where no loss), of which the
+    first `tokens` are the samples' own (the rest is padding)."""
 
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
+    tokens: int
+
+
+class Batch(NamedTuple):
+    """Sequences stacked: input ids and labels [B, T] int64, and how many of the ids are the samples' own tokens
+    (padding excluded: what progress counts as tokens trained)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    tokens: int
 
 
 def pack(samples: list[TokenizedSample], seq_len: int, pad_id: int) -> list[PackedSeq]:
@@ -43,7 +55,7 @@ def pack(samples: list[TokenizedSample], seq_len: int, pad_id: int) -> list[Pack
     def flush() -> None:
         if ids:
             n = seq_len - len(ids)
-            out.append(PackedSeq(tuple(ids + [pad_id] * n), tuple(labels + [IGNORE] * n)))
+            out.append(PackedSeq(tuple(ids + [pad_id] * n), tuple(labels + [IGNORE] * n), len(ids)))
             ids.clear()
             labels.clear()
 
@@ -90,11 +102,12 @@ def trim_tail(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return x[:, :n], y[:, :n]  # a slice stops at the batch's length
 
 
-def to_batch(seqs: list[PackedSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacks sequences into (input_ids[B, T], labels[B, T]) int64 tensors."""
-    return (
+def to_batch(seqs: list[PackedSeq]) -> Batch:
+    """Stacks sequences into a Batch (input_ids[B, T], labels[B, T] int64, their sample tokens)."""
+    return Batch(
         torch.tensor([s.input_ids for s in seqs], dtype=torch.long),
         torch.tensor([s.labels for s in seqs], dtype=torch.long),
+        sum(s.tokens for s in seqs),
     )
 
 
@@ -148,8 +161,8 @@ class BatchStream:
             raise ValueError(f"data cursor index={index} outside epoch {epoch} with {len(seqs)} sequences")
         self.epoch, self.index, self._seqs = epoch, index, seqs
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `batch_size` sequences as (input_ids, labels), continuing into the next epoch as needed."""
+    def next_batch(self) -> Batch:
+        """The next `batch_size` sequences, continuing into the next epoch as needed."""
         picked: list[PackedSeq] = []
         while len(picked) < self._bs:
             picked.append(self._seqs[self.index])
@@ -163,7 +176,7 @@ class BatchStream:
 def eval_batches(
     samples: list[TokenizedSample], *, seq_len: int, batch_size: int, pad_id: int, max_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Held-out micro-batches in hash order (independent of input order), at most `max_batches`."""
+    """Held-out micro-batches (input_ids, labels) in hash order (independent of input order), at most `max_batches`."""
     seqs = pack(sorted(samples, key=lambda s: s.sample_hash), seq_len, pad_id)
-    batches = [to_batch(seqs[i : i + batch_size]) for i in range(0, len(seqs), batch_size)]
+    batches = [to_batch(seqs[i : i + batch_size])[:2] for i in range(0, len(seqs), batch_size)]
     return batches[:max_batches]

@@ -88,9 +88,10 @@ class Progress:
     loss: float
     lr: float
     grad_norm: float
-    tokens_per_s: float
+    tokens_per_s: float  # the samples' tokens (padding excluded) per second, over recent steps
     eta_s: float
     eval_loss: float | None
+    tokens_seen: int  # the samples' tokens trained on so far (padding excluded), over the whole job
 
 
 @dataclass
@@ -105,6 +106,7 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
     optim_times: list[float] = field(default_factory=list)  # s of AdamW work per step (overlapped or not)
     optim_waits: list[float] = field(default_factory=list)  # s the step waited for the optimizer thread after backward
+    tokens: list[int] = field(default_factory=list)  # the samples' tokens each step trained on (padding excluded)
 
 
 @contextmanager
@@ -166,6 +168,7 @@ class Trainer:
         )
         self.step = 0
         self.last_stats = StepStats(0.0, 0, 0.0, 0.0)
+        self.last_tokens = 0  # the samples' tokens of the last step's micro-batches (padding excluded)
         keep_freed_heap()  # every step frees and reallocates the same activations: reuse them warm (heap.py)
         self.history = TrainResult(status="running", step=0)
 
@@ -180,7 +183,11 @@ class Trainer:
             "adapter": {k: v.detach().clone() for k, v in self.model.lora_state_dict().items()},
             "optimizer": self.optim.state_dict(),
             "rng": ckpt.capture_rng(),
-            "history": {"losses": list(self.history.losses), "eval": [list(e) for e in self.history.eval_losses]},
+            "history": {
+                "losses": list(self.history.losses),
+                "eval": [list(e) for e in self.history.eval_losses],
+                "tokens": list(self.history.tokens),
+            },
         }
 
     def save_checkpoint(self) -> Path:
@@ -226,6 +233,10 @@ class Trainer:
         self.step = int(state["step"])
         self.history.losses = [float(x) for x in state["history"]["losses"]]
         self.history.eval_losses = [(int(s), float(v)) for s, v in state["history"]["eval"]]
+        tokens = state["history"].get("tokens")
+        # A checkpoint from before tokens were counted: its steps count as full sequences, padding included.
+        ok = isinstance(tokens, list) and len(tokens) == self.step
+        self.history.tokens = [int(n) for n in tokens] if ok else [self.cfg.tokens_per_step] * self.step
         log.info("checkpoint_restored", step=self.step)
         # Told like a new one: a kill between writing a checkpoint and its report leaves one nobody was told about,
         # and it is the one this run stands on (the listener ignores one it already has).
@@ -253,7 +264,9 @@ class Trainer:
 
     def _train_step(self, lr: float) -> tuple[float, float, float]:
         """The micro-batch loop of `train_step` (torch threads already set for the model's backend)."""
-        micro = [trim_tail(*self.stream.next_batch()) for _ in range(self.cfg.grad_accum)]
+        batches = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]
+        self.last_tokens = sum(b.tokens for b in batches)
+        micro = [trim_tail(b.input_ids, b.labels) for b in batches]
         counts = [target_count(y) for _, y in micro]
         total = sum(counts)
         loss_sum = 0.0
@@ -295,6 +308,7 @@ class Trainer:
         cfg, res = self.cfg, self.history
         self.model.train(True)
         ema: float | None = None
+        ema_tokens = 0.0
         if self.on_phase is not None:
             self.on_phase("training", self.step / cfg.steps if cfg.steps else 0.0)
         first = True
@@ -314,6 +328,8 @@ class Trainer:
             res.step_times.append(dt)
             res.optim_times.append(self.last_stats.optim_s)
             res.optim_waits.append(self.last_stats.wait_s)
+            res.tokens.append(self.last_tokens)
+            ema_tokens = self.last_tokens if ema is None else 0.8 * ema_tokens + 0.2 * self.last_tokens
             ema = dt if ema is None else 0.8 * ema + 0.2 * dt
             ev = None
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
@@ -335,9 +351,10 @@ class Trainer:
                         loss,
                         lr,
                         gnorm,
-                        cfg.tokens_per_step / dt,
+                        ema_tokens / ema if ema > 0 else 0.0,
                         ema * (cfg.steps - self.step),
                         ev,
+                        sum(res.tokens),
                     )
                 )
             self._report_checkpoints()

@@ -81,6 +81,20 @@ def test_pack_lengths_labels_and_no_split_of_short_samples() -> None:
     assert sum(lab != IGNORE for s in seqs for lab in s.labels) == d.report.train_target_tokens
     for s in seqs:
         assert all(lab in (IGNORE, t) for t, lab in zip(s.input_ids, s.labels))
+    # Each sequence knows its samples' tokens: the padding after them is not counted, and an epoch holds them all.
+    assert sum(s.tokens for s in seqs) == d.report.train_tokens < 48 * len(seqs)
+    for s in seqs:
+        assert set(s.input_ids[s.tokens :]) <= {EOS} and set(s.labels[s.tokens :]) <= {IGNORE}
+
+
+def test_a_batch_counts_its_samples_tokens_not_padding() -> None:
+    d = prepare([TextSample("ab"), TextSample("z" * 40)], TOK, seq_len=32, eval_fraction=0.0)
+    stream = BatchStream(d.train, seed=0, seq_len=32, batch_size=2, pad_id=EOS)
+    batches = [stream.next_batch() for _ in range(3)]  # an epoch packs into 2 sequences: three epochs
+    assert all(b.input_ids.shape == (2, 32) for b in batches)
+    assert batches[0].tokens == d.report.train_tokens == (2 + 1) + (40 + 1)  # one epoch is one batch here
+    assert [b.tokens for b in batches[1:]] == [batches[0].tokens] * 2
+    assert 0 < batches[0].tokens < 64  # the short sample's sequence is mostly padding
 
 
 def test_long_text_spans_sequences() -> None:
