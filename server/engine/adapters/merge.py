@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from lorad.server.engine.adapters.peft_io import Adapter
-from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
+from lorad.server.engine.models.atomic import building_dir
 from lorad.server.engine.models.cache import read_manifest
 from lorad.server.engine.models.hf_folder import SafetensorsWeights, read_weights
 
@@ -78,14 +78,13 @@ def export_merged(base_dir: Path, adapter: Adapter, out_dir: Path) -> Path:
     cfg = json.loads((base_dir / "config.json").read_text())
     if cfg.get("tie_word_embeddings") and "lm_head.weight" in merged:
         merged.pop("lm_head.weight")  # tied: transformers re-ties it to the embedding
-    tmp = make_temp_dir(out_dir)
     out = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in merged.items()}
-    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for name in _COPY:
-        if (base_dir / name).is_file():
-            shutil.copyfile(base_dir / name, tmp / name)
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    commit_dir(tmp, out_dir)
+    with building_dir(out_dir) as tmp:
+        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in _COPY:
+            if (base_dir / name).is_file():
+                shutil.copyfile(base_dir / name, tmp / name)
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     log.info("merged_model_exported", tensors=len(merged), dtype=cfg["torch_dtype"])
     return out_dir

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lorad.server.engine.adapters.metadata import METADATA_FILE, AdapterMetadata
-from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
+from lorad.server.engine.models.atomic import building_dir
 from lorad.server.engine.models.config import LORA_TARGETS, LoraConfig
 from lorad.server.engine.models.model import AdapterWeights, CausalLM
 
@@ -112,22 +112,21 @@ def save_adapter(path: Path, adapter: Adapter, base_name_or_path: str = "") -> P
     Returns:
         `path`.
     """
-    tmp = make_temp_dir(path)
     st_meta = {"format": "pt"}
-    if adapter.metadata is not None:
-        meta = adapter.metadata.to_json()
-        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-        st_meta |= {
-            "lorad_base_model_hash": adapter.metadata.base_model_hash,
-            "lorad_tokenizer_hash": adapter.metadata.tokenizer_hash,
-        }
-    save_file(
-        {k: v.detach().float().contiguous() for k, v in adapter.tensors.items()},
-        str(tmp / WEIGHTS_FILE),
-        metadata=st_meta,
-    )
-    (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(adapter.lora, base_name_or_path), indent=2))
-    commit_dir(tmp, path)
+    with building_dir(path) as tmp:
+        if adapter.metadata is not None:
+            meta = adapter.metadata.to_json()
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            st_meta |= {
+                "lorad_base_model_hash": adapter.metadata.base_model_hash,
+                "lorad_tokenizer_hash": adapter.metadata.tokenizer_hash,
+            }
+        save_file(
+            {k: v.detach().float().contiguous() for k, v in adapter.tensors.items()},
+            str(tmp / WEIGHTS_FILE),
+            metadata=st_meta,
+        )
+        (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(adapter.lora, base_name_or_path), indent=2))
     log.info("adapter_saved", tensors=len(adapter.tensors), rank=adapter.lora.rank)
     return path
 

@@ -64,10 +64,19 @@ def held_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def make_temp_dir(final: Path) -> Path:
-    """A fresh hidden directory next to `final` to build its contents in (same filesystem, so rename is atomic)."""
+@contextmanager
+def building_dir(final: Path) -> Iterator[Path]:
+    """A fresh hidden directory next to ``final`` (same filesystem, so the rename is atomic) to build its contents in;
+    committed to ``final`` (``commit_dir``) when the block ends, removed if it raises: a folder half written when the
+    disk filled up must not go on holding the space the job waiting for it needs."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        yield tmp
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def commit_dir(tmp: Path, final: Path) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from lorad.server.engine.models.atomic import commit_dir, make_temp_dir
+from lorad.server.engine.models.atomic import building_dir
 from lorad.server.engine.models.config import ModelConfig
 from lorad.server.engine.models.hf_folder import is_hf_folder
 from lorad.server.engine.models.sources import source_path
@@ -131,21 +131,20 @@ def write_checkpoint(
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
-    tmp = make_temp_dir(out)
     mhash = weights_hash(weights)
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        str(tmp / "model.safetensors"),
-        metadata={
-            "format": "pt",
-            "lorad_model_hash": mhash,
-        },
-    )
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-    (tmp / "tokenizer.json").write_text(tokenizer_json)
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    manifest = {"format": CACHE_FORMAT, "model_hash": mhash, "tokenizer_hash": tokenizer_hash, "source": source}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: its presence marks a complete entry
-    commit_dir(tmp, out)
+    with building_dir(out) as tmp:
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            str(tmp / "model.safetensors"),
+            metadata={
+                "format": "pt",
+                "lorad_model_hash": mhash,
+            },
+        )
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+        (tmp / "tokenizer.json").write_text(tokenizer_json)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        manifest = {"format": CACHE_FORMAT, "model_hash": mhash, "tokenizer_hash": tokenizer_hash, "source": source}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: its presence marks a complete entry
     log.info("model_cache_written", model_hash=mhash[:16], seconds=round(time.perf_counter() - t0, 2))
     return CheckpointDir(out, mhash, tokenizer_hash, source)

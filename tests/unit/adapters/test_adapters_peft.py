@@ -112,6 +112,28 @@ def test_save_replaces_atomically_and_leaves_no_temp(trained: Trained, tmp_path:
     assert torch.equal(load_adapter(dest).tensors[k], newer.tensors[k])
 
 
+def test_a_save_that_fails_midway_leaves_the_old_adapter_and_no_half_folder(
+    trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a full disk as its own error after part of the file is written: the half-built folder must
+    go at once, or it keeps holding the space a job waiting for disk needs."""
+    import lorad.server.engine.adapters.peft_io as peft_io
+
+    dest = tmp_path / "ad"
+    save_adapter(dest, trained.adapter)
+
+    def full_disk(tensors: object, filename: str, metadata: object = None) -> None:
+        Path(filename).write_bytes(b"part of the weights")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(peft_io, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_adapter(dest, trained.adapter)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ad"]
+    k = next(iter(trained.adapter.tensors))
+    assert torch.equal(load_adapter(dest).tensors[k], trained.adapter.tensors[k])
+
+
 def test_metadata_requires_fields() -> None:
     with pytest.raises(ValueError, match="base_model_hash"):
         AdapterMetadata.from_json({"rank": 1})
