@@ -45,6 +45,7 @@ class BlockedReason(enum.StrEnum):
     DEVICE_BUSY = "device_busy"
     CONDITIONS_UNKNOWN = "conditions_unknown"
     PAUSED_BY_USER = "paused_by_user"
+    DISK_FULL = "disk_full"
 
 
 class JobEventKind(enum.StrEnum):

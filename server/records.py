@@ -42,6 +42,7 @@ class Blocked(enum.StrEnum):
     DEVICE_BUSY = "device_busy"
     CONDITIONS_UNKNOWN = "conditions_unknown"
     PAUSED_BY_USER = "paused_by_user"
+    DISK_FULL = "disk_full"
 
 
 class EventKind(enum.StrEnum):

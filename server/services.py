@@ -109,6 +109,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
     monitor = ConditionMonitor(probe or make_probe(c.probe, c.probe_file, c.termux_timeout_seconds), c.poll_seconds)
     dev = cfg.device
     wake = WakeLockHooks(dev.wake_lock_acquire, dev.wake_lock_release, dev.wake_lock_timeout_seconds)
+    reserve = SpaceReserve(data)
     runner = Runner(
         jobs,
         samples,
@@ -121,6 +122,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         backend_for=lambda job: job_backend(job, backend),
         on_running=wake.set_held,
         judge=lambda r, req: evaluate(r, req, profile),
+        reserve=reserve,
     )
     gate = DeletionGate()
     manager = JobManager(apps, jobs, samples, adapters, runner, hub, layout, gate)
@@ -146,7 +148,7 @@ def build_services(cfg: Config, factory: SessionFactory | None = None, probe: Pr
         AppRegistry(apps),
         AppData(apps, samples, gate),
         AdapterLibrary(adapters, layout, models, gate, cfg.storage.export_cache_max_mb * 1024 * 1024),
-        SpaceReserve(data),
+        reserve,
         backend,
         gate,
     )

@@ -209,10 +209,7 @@ class EngineSession:
             raise JobFailure("model_unavailable", str(exc)) from None
         except MemoryError:
             raise JobFailure("out_of_memory", "training ran out of memory; lower seq_len or batch_size") from None
-        except OSError as exc:
-            if exc.errno == 28:  # ENOSPC
-                raise JobFailure("out_of_disk", "no space left for checkpoints or the adapter") from None
-            raise
+        # A full disk is no failure: it propagates, and the runner has the job wait for space (Blocked.DISK_FULL).
         rep = res.data_report
         if res.status != "completed" or res.adapter_dir is None:
             return SessionOutcome(completed=False)

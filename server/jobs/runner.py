@@ -9,6 +9,8 @@ kill -9), so no acknowledged data or finished step beyond the last checkpoint is
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -22,6 +24,7 @@ from lorad.server.device.conditions import Verdict, evaluate
 from lorad.server.device.probes import Readings
 from lorad.server.engine.api import HEARTBEAT_PERIOD_S
 from lorad.server.errors import FailedPrecondition, NotFound
+from lorad.server.intents import SpaceReserve
 from lorad.server.jobs.files import Layout, remove_tree, scrub_paths, tree_size
 from lorad.server.jobs.hub import EventHub
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionFactory, SessionRequest
@@ -46,6 +49,31 @@ log = structlog.get_logger(__name__)
 ELIGIBLE = (JobState.QUEUED, JobState.WAITING)
 ON_NPU = (JobState.RUNNING, JobState.PAUSING)
 
+DISK_RESERVE_BYTES = 8 << 20
+"""A job that stopped on a full disk starts again once its filesystem has this much free beyond twice its largest file
+(a checkpoint, or the adapter it was building): room for the next checkpoint next to the last one, for SQLite's
+events and for the daemon's space reserve (4 MiB) made again. Until then it waits (``Blocked.DISK_FULL``) instead of
+failing, so a night's steps up to its last checkpoint are kept."""
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem holding ``path`` (its nearest existing parent when it does not exist yet)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_needed(work: Path) -> int:
+    """Free bytes a job waiting for disk needs before it starts again (``DISK_RESERVE_BYTES``)."""
+    largest = 0
+    for root, _, files in os.walk(work):
+        for f in files:
+            try:
+                largest = max(largest, (Path(root) / f).stat().st_size)
+            except OSError:
+                pass
+    return DISK_RESERVE_BYTES + 2 * largest
+
 
 class Runner:
     """Runs jobs one at a time on a dedicated thread; ``reconcile()`` applies the device conditions to the queue."""
@@ -63,13 +91,18 @@ class Runner:
         backend_for: Callable[[Job], tuple[str, str]] | None = None,
         on_running: Callable[[bool], None] | None = None,
         judge: Callable[[Readings, Requirements], Verdict] = evaluate,
+        free: Callable[[Path], int] = free_bytes,
+        reserve: SpaceReserve | None = None,
     ) -> None:
         """``backend_for(job)`` names the compute backend a job will train on and why (for its start event);
         ``on_running(True/False)`` is called when a job enters / leaves RUNNING (the wake-lock hooks);
-        ``judge`` applies the device profile's policy to the readings."""
+        ``judge`` applies the device profile's policy to the readings; ``free(path)`` is the free space there;
+        ``reserve`` is the daemon's space reserve, given up to record that a job waits for disk when nothing else
+        could be written, and made again before such a job starts."""
         self.jobs, self.samples, self.adapters, self.layout = jobs, samples, adapters, layout
         self.factory, self.hub, self.readings, self.keep = factory, hub, readings, keep_checkpoints
-        self.backend_for, self.on_running, self.judge = backend_for, on_running, judge
+        self.backend_for, self.on_running, self.judge, self.free = backend_for, on_running, judge, free
+        self.reserve = reserve
         self._lock = threading.RLock()
         self._current: str | None = None
         self._current_app: str | None = None
@@ -197,6 +230,12 @@ class Runner:
             for job in self.jobs.in_states(ELIGIBLE):
                 if job.blocked is Blocked.OUTSIDE_WINDOW or self._barred(job.app_id, job.job_id):
                     continue
+                if job.blocked is Blocked.DISK_FULL:
+                    work = self.layout.job_dir(job.app_id, job.job_id)
+                    if self.free(work) < disk_needed(work):
+                        continue  # still waiting for space: the detail it was given stands
+                    if self.reserve is not None:
+                        self.reserve.ensure()  # given up when the job stopped: the space is back
                 v = self.judge(r, job.spec.requirements)
                 if not v.ok:
                     self._move(job.job_id, ELIGIBLE, JobState.WAITING, v.first, v.explained, f"waiting: {v.detail}")
@@ -327,9 +366,13 @@ class Runner:
                     self._fail(job_id, f.code, scrub_paths(f.message))
                 return
             except Exception as exc:
+                if self._purged(job, work):
+                    return
+                if self._out_of_disk(exc, work):
+                    self._wait_for_disk(job_id, work, exc)
+                    return
                 log.exception("job_crashed")
-                if not self._purged(job, work):
-                    self._fail(job_id, "internal", f"{type(exc).__name__}: {scrub_paths(str(exc))[:300]}")
+                self._fail(job_id, "internal", f"{type(exc).__name__}: {scrub_paths(str(exc))[:300]}")
                 return
             if self._purged(job, work):
                 return
@@ -356,16 +399,45 @@ class Runner:
         )
 
     def _fail_after(self, job_id: str, exc: Exception) -> None:
-        """Ends a job whose run raised outside its session (a store write, a file move): FAILED with the cause, never
-        RUNNING with no worker on it. If even that cannot be written, the next start queues the job again."""
-        if is_disk_full(exc):
-            code, message = "out_of_disk", "no space left on the device to record the job's result; free some space"
-        else:
-            code, message = "internal", f"{type(exc).__name__}: {scrub_paths(str(exc))[:300]}"
+        """Ends a job whose run raised outside its session (a store write, a file move): FAILED with the cause, or
+        waiting for space when the disk is full (its checkpoints are kept until a result is recorded), never RUNNING
+        with no worker on it. If even that cannot be written, the next start queues the job again."""
+        job = self._get(job_id)
         try:
-            self._fail(job_id, code, message)
+            if job is not None and is_disk_full(exc):
+                self._wait_for_disk(job_id, self.layout.job_dir(job.app_id, job_id), exc)
+            else:
+                self._fail(job_id, "internal", f"{type(exc).__name__}: {scrub_paths(str(exc))[:300]}")
         except Exception:
             log.exception("runner_failure_not_recorded", job_id=job_id)
+
+    def _out_of_disk(self, exc: BaseException, work: Path) -> bool:
+        """Whether a session's error comes from a full disk: ENOSPC/EDQUOT/SQLITE_FULL, or any error while the job's
+        filesystem lacks the room a next attempt needs (torch.save and safetensors report a full disk as their own
+        errors: "unexpected pos 704 vs 598", "IoError(... StorageFull ...)")."""
+        return is_disk_full(exc) or self.free(work) < disk_needed(work)
+
+    def _wait_for_disk(self, job_id: str, work: Path, exc: BaseException) -> None:
+        """The job waits (``Blocked.DISK_FULL``) for the space ``disk_needed`` names, then continues from its last
+        checkpoint; a pause or stop asked for meanwhile takes precedence."""
+        need = disk_needed(work)
+        log.warning("job_waiting_for_disk", error=f"{type(exc).__name__}: {scrub_paths(str(exc))[:200]}",
+                    free_bytes=self.free(work), needed_bytes=need)  # fmt: skip
+        with self._lock:
+            stopping = self._target is not None
+        if stopping:
+            self._paused(job_id)
+            return
+        detail = (f"no space left on the device for the job's checkpoints or adapter; it continues from its last "
+                  f"checkpoint once {-(-need // (1 << 20))} MiB are free")  # fmt: skip
+        try:
+            self._move(job_id, ON_NPU, JobState.WAITING, Blocked.DISK_FULL, detail, f"waiting: {detail}")
+        except Exception as exc2:
+            # Even the job's own state could not be written: the reserve's space takes this one write (else the job
+            # would stay RUNNING with no worker on it until the next start).
+            if not (is_disk_full(exc2) and self.reserve is not None and self.reserve.release()):
+                raise
+            self._move(job_id, ON_NPU, JobState.WAITING, Blocked.DISK_FULL, detail, f"waiting: {detail}")
 
     def _paused(self, job_id: str) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from tests.reliability.harness import (
     corpus,
     create_job,
     get_job,
+    wait_for,
     wait_state,
 )
 
@@ -88,6 +89,47 @@ def tmpfs(tmp_path: Path):
         pytest.skip(f"cannot mount tmpfs: {r.stderr.decode()[:200]}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_job_that_fills_the_disk_waits_for_space_and_ends_from_its_checkpoint(
+    tmpfs: Path, tmp_path: Path, tiny_llama: Path, tally
+) -> None:
+    """A night's job must not be lost to a full disk: it waits (DISK_FULL) with its checkpoints kept, starts nothing
+    while the space is missing, and once it is freed trains on from its last checkpoint to an adapter."""
+    d = SubprocessDaemon(tmp_path / "fill", tiny_llama, storage={"data_dir": str(tmpfs / "data")})
+    d.data_dir = tmpfs / "data"
+    d.socket_path = d.data_dir / "run" / "lorad.sock"
+    d.start()
+    try:
+        app = d.register("fill")
+        append(app, "notes", corpus(24))
+        job = create_job(app, "long", ("notes",), steps=400, checkpoint_every_steps=4)
+        wait_for(lambda: get_job(app, job.job_id).progress.step >= 8, 120, "training under way")
+        filler = _fill(tmpfs)
+        waiting = wait_for(lambda: (j := get_job(app, job.job_id)).blocked_reason == jobs_pb2.BLOCKED_REASON_DISK_FULL
+                           and j, 60, "the job to wait for disk")  # fmt: skip
+        said = f"{jobs_pb2.JobState.Name(waiting.state)} at step {waiting.progress.step}: {waiting.blocked_detail!r}"
+        tally.number("fault: a job on a full disk", said)
+        assert waiting.state == jobs_pb2.JOB_STATE_WAITING and "MiB are free" in waiting.blocked_detail
+        assert waiting.progress.step < 400
+        time.sleep(1.0)  # five condition polls: the space is still missing, so the job stays put
+        still = get_job(app, job.job_id)
+        assert (still.state, still.blocked_reason) == (jobs_pb2.JOB_STATE_WAITING, jobs_pb2.BLOCKED_REASON_DISK_FULL)
+        filler.unlink()
+        end = wait_state(app, job.job_id, FINAL, 240)
+        ok = end.state == jobs_pb2.JOB_STATE_SUCCEEDED and end.progress.step == 400
+        tally.number("fault: that job after the space was freed", f"{jobs_pb2.JobState.Name(end.state)} {end.error}")
+        if not ok:
+            tally.violation(f"fault: a job on a full disk ended {jobs_pb2.JobState.Name(end.state)} {end.error}")
+        assert ok, end.error
+        ev = all_events(app, job.job_id)
+        wait_at = next(i for i, e in enumerate(ev) if e.message.startswith("waiting: no space left"))
+        resumed = next(e.progress.step for e in ev[wait_at:] if e.kind == jobs_pb2.JOB_EVENT_KIND_PROGRESS)
+        # It went on from its last checkpoint (every 4 steps), not from the start.
+        assert waiting.progress.step - 4 < resumed <= waiting.progress.step + 1, (resumed, waiting.progress.step)
+        assert d.alive() and app.healthy()
+    finally:
+        d.stop()
 
 
 def _fill(path: Path) -> Path:

@@ -85,6 +85,10 @@ class _BlockedReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Blocked
     """A required reading could not be taken (treated as "do not train")."""
     BLOCKED_REASON_PAUSED_BY_USER: _BlockedReason.ValueType  # 8
     """Paused by a PauseJob call; waits for ResumeJob."""
+    BLOCKED_REASON_DISK_FULL: _BlockedReason.ValueType  # 9
+    """The device ran out of space for the job's checkpoints or adapter; it continues from its last checkpoint once
+    the space blocked_detail names is free (GetDiskUsage shows what lorad holds, CollectGarbage frees the rest).
+    """
 
 class BlockedReason(_BlockedReason, metaclass=_BlockedReasonEnumTypeWrapper):
     """Why a job is not running."""
@@ -107,6 +111,10 @@ BLOCKED_REASON_CONDITIONS_UNKNOWN: BlockedReason.ValueType  # 7
 """A required reading could not be taken (treated as "do not train")."""
 BLOCKED_REASON_PAUSED_BY_USER: BlockedReason.ValueType  # 8
 """Paused by a PauseJob call; waits for ResumeJob."""
+BLOCKED_REASON_DISK_FULL: BlockedReason.ValueType  # 9
+"""The device ran out of space for the job's checkpoints or adapter; it continues from its last checkpoint once
+the space blocked_detail names is free (GetDiskUsage shows what lorad holds, CollectGarbage frees the rest).
+"""
 Global___BlockedReason: _TypeAlias = BlockedReason  # noqa: Y015
 
 class _JobPhase:
@@ -371,7 +379,7 @@ class JobError(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     code: _builtins.str
-    """Stable machine-readable code, e.g. "no_usable_samples", "backend_failed", "out_of_disk"."""
+    """Stable machine-readable code, e.g. "no_usable_samples", "backend_failed", "out_of_memory"."""
     message: _builtins.str
     """What went wrong and how to fix it; never contains sample text."""
     def __init__(

@@ -285,18 +285,18 @@ def test_a_start_removes_the_checkpoints_a_kill_left_after_a_job_ended(world: Wo
 
 
 @pytest.mark.parametrize(
-    ("error", "code", "says"),
+    ("error", "state", "code", "says"),
     [
-        (sqlite3.OperationalError("database or disk is full"), "out_of_disk", "no space left on the device"),
-        (RuntimeError("store exploded"), "internal", "RuntimeError: store exploded"),
+        (sqlite3.OperationalError("database or disk is full"), JobState.WAITING, "", "no space left on the device"),
+        (RuntimeError("store exploded"), JobState.FAILED, "internal", "RuntimeError: store exploded"),
     ],
     ids=["disk-full", "other"],
 )
-def test_a_job_whose_result_cannot_be_recorded_fails_with_the_cause(
-    world: World, monkeypatch: pytest.MonkeyPatch, error: Exception, code: str, says: str
+def test_a_job_whose_result_cannot_be_recorded_fails_with_the_cause_or_waits_for_disk(
+    world: World, monkeypatch: pytest.MonkeyPatch, error: Exception, state: JobState, code: str, says: str
 ) -> None:
-    """The commit of a finished job raises: the job ends FAILED naming why (not RUNNING with no worker on it), and
-    the adapter folder moved into place for it goes."""
+    """The commit of a finished job raises: the job ends FAILED naming why, or on a full disk waits for space (not
+    RUNNING with no worker on it), and the adapter folder moved into place for it goes."""
     layout = Layout(world.tmp)
 
     def failing(*_args: object, **_kw: object) -> None:
@@ -304,18 +304,84 @@ def test_a_job_whose_result_cannot_be_recorded_fails_with_the_cause(
 
     monkeypatch.setattr(world.jobs, "succeed", failing)
     job = world.job()
+    # free: the disk stays full, so a waiting job does not start again
     r = Runner(world.jobs, SampleRepo(world.db), AdapterRepo(world.db), layout, lambda req: Completing(req.work_dir),
-               EventHub(), lambda: GOOD, 2)  # fmt: skip
+               EventHub(), lambda: GOOD, 2, free=lambda _p: 0)  # fmt: skip
+    r.start()
+    try:
+        _wait(lambda: world.jobs.get(job.job_id).state is state, f"the job to be {state.name}")
+    finally:
+        assert r.close(10)
+    got = world.jobs.get(job.job_id)
+    assert got.error_code == code
+    assert says in (got.error_message if code else got.blocked_detail)
+    assert got.blocked is (Blocked.DISK_FULL if state is JobState.WAITING else Blocked.NONE)
+    assert AdapterRepo(world.db).count("app") == 0
+    assert list((layout.app_dir("app") / "adapters").iterdir()) == []
+
+
+class _Scripted:
+    """A session that raises ``error`` at its first run and completes at the next; every run is counted."""
+
+    def __init__(self, work: Path, runs: list[Path], error: BaseException) -> None:
+        self.work, self.runs, self.error = work, runs, error
+
+    def run(self, should_stop: Callable[[], bool], sink: SessionSink) -> SessionOutcome:
+        self.runs.append(self.work)
+        if len(self.runs) == 1:
+            raise self.error
+        return SessionOutcome(completed=True, adapter=_artifact(self.work / f"out-{time.monotonic_ns()}"))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(28, "No space left on device"), RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")],
+    ids=["enospc", "torch-save-on-a-full-disk"],
+)
+def test_a_job_that_runs_out_of_disk_waits_for_space_then_continues(world: World, error: BaseException) -> None:
+    """A full disk mid-job (a checkpoint or the adapter not written) is no failure: the job waits, DISK_FULL, with the
+    space it needs named, starts nothing while that space is missing, and runs again once it is there. torch.save
+    reports a full disk as a RuntimeError of its own: the free space decides then."""
+    layout, runs, free = Layout(world.tmp), [], [0]
+    r = Runner(world.jobs, SampleRepo(world.db), AdapterRepo(world.db), layout,
+               lambda req: _Scripted(req.work_dir, runs, error), EventHub(), lambda: GOOD, 2,
+               free=lambda _p: free[0])  # fmt: skip
+    job = world.job()  # with a checkpoint of 3 MiB it keeps: the next one needs room beside it
+    ck = layout.job_dir("app", job.job_id) / "checkpoints" / "step-00000002.pt"
+    ck.parent.mkdir(parents=True)
+    ck.write_bytes(b"\0" * (3 << 20))
+    r.start()
+    try:
+        _wait(lambda: world.jobs.get(job.job_id).state is JobState.WAITING, "the job to wait")
+        got = world.jobs.get(job.job_id)
+        assert got.blocked is Blocked.DISK_FULL and got.error_code == ""
+        assert "once 14 MiB are free" in got.blocked_detail, got.blocked_detail  # 8 MiB reserve + 2 x 3 MiB
+        free[0] = (14 << 20) - 1  # one byte short
+        r.reconcile()
+        time.sleep(0.2)
+        assert len(runs) == 1 and world.jobs.get(job.job_id).blocked is Blocked.DISK_FULL
+        free[0] = 14 << 20
+        r.reconcile()
+        _wait(lambda: world.jobs.get(job.job_id).state is JobState.SUCCEEDED, "the job to finish")
+    finally:
+        assert r.close(10)
+    assert len(runs) == 2
+    assert "waiting: no space left on the device" in " | ".join(world.messages(job.job_id))
+
+
+def test_a_crash_with_room_on_the_disk_still_fails(world: World) -> None:
+    runs: list[Path] = []
+    r = Runner(world.jobs, SampleRepo(world.db), AdapterRepo(world.db), Layout(world.tmp),
+               lambda req: _Scripted(req.work_dir, runs, RuntimeError("a bug")), EventHub(), lambda: GOOD, 2,
+               free=lambda _p: 1 << 40)  # fmt: skip
+    job = world.job()
     r.start()
     try:
         _wait(lambda: world.jobs.get(job.job_id).state.final, "the job to end")
     finally:
         assert r.close(10)
     got = world.jobs.get(job.job_id)
-    assert (got.state, got.error_code) == (JobState.FAILED, code)
-    assert says in got.error_message
-    assert AdapterRepo(world.db).count("app") == 0
-    assert list((layout.app_dir("app") / "adapters").iterdir()) == []
+    assert (got.state, got.error_code, got.error_message) == (JobState.FAILED, "internal", "RuntimeError: a bug")
 
 
 class Planning:
