@@ -105,6 +105,7 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/kernels.py
 	$(PY) bench/train.py --quick
+	$(PY) bench/generate.py --rounds 1 --tokens 32
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache build *.egg-info

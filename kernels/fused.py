@@ -344,6 +344,33 @@ def lowrank_rows(x: Tensor, a: Tensor) -> Tensor:
     return (a @ x.t()).t()
 
 
+SMALL_ROWS = 2
+"""Rows up to which ``small_rows_bf16`` runs a bf16 product instead of oneDNN's GEMM, which repacks the whole weight
+every call. Zen 5, 2 threads, weights streamed from memory as in generation (SmolLM2's shapes): at one row 1.7-4.3x
+faster (21-32 GB/s, the memory's speed; the 49152x576 lm_head 3.6 -> 2.2 ms), at two 1.6-2.3x; at four it won on some
+shapes and lost on others (0.77-1.63x), at eight it lost on most."""
+
+
+def small_rows_bf16(x: Tensor, w: Tensor) -> Tensor | None:
+    """``x·wᵀ`` [M, N] in bfloat16 for at most ``SMALL_ROWS`` rows ``x`` [M, K] (float32 rounded to bf16, or bf16;
+    contiguous columns) and a contiguous bf16 weight ``w`` [N, K]: one read of the weight, fp32 sums, one bf16
+    rounding, what the bf16 GEMM returns up to the order of its sums (generation's per-token products). None where
+    the kernels do not run or the operands are not these (the caller's GEMM then)."""
+    ops = kernels()
+    if (
+        ops is None
+        or x.dim() != 2
+        or not 1 <= x.shape[0] <= SMALL_ROWS
+        or x.stride(1) != 1
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or w.dtype != torch.bfloat16
+        or not w.is_contiguous()
+    ):
+        return None
+    out: Tensor = ops.small_rows_bf16(x, w)
+    return out
+
+
 def widen_lowrank(prod: Tensor, h: Tensor, m: Tensor, *, scaling: float, bias: Tensor | None = None) -> Tensor:
     """``(float(prod) + bias) + scaling·h·m`` [R, N] float32 from a bf16 GEMM's product ``prod`` [R, N] and a rank-k
     term ``h`` [R, k]·``m`` [k, N] (a LoRA layer's ``s·h·Bᵀ`` on its frozen output, or ``s·g·A`` on its input

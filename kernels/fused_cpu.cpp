@@ -823,6 +823,71 @@ at::Tensor lowrank_rows(const at::Tensor& x, const at::Tensor& a) {
   return h;
 }
 
+// y [M, N] bfloat16 = x·wᵀ for a few rows x [M, K] (float32 rounded to bfloat16 as the bf16 GEMM takes them, or
+// bfloat16; contiguous columns, any row stride) and a bf16 weight w [N, K] (contiguous): what generation runs per token
+// (M = 1), where oneDNN's GEMM repacked the whole weight every call and streamed ~8 GB/s on the Zen 5 instead of the
+// ~25 the memory gives. Each weight row is read once for all M rows; its dot products are summed in fp32 over 16
+// lanes in two interleaved chains (even and odd 16-column blocks), then the lanes in order, the K % 16 tail, and
+// rounded to bfloat16 once: what the GEMM returns, up to the order of its fp32 sums. Threads split the weight's rows;
+// every output is one thread's, in one order.
+constexpr int64_t kSmallRows = 8;
+
+at::Tensor small_rows_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D tensor with contiguous columns, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "w must be a contiguous bfloat16 matrix, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = x.stride(0);
+  TORCH_CHECK(w.size(1) == K, "w has ", w.size(1), " columns, x has ", K);
+  TORCH_CHECK(M >= 1 && M <= kSmallRows, "small_rows_bf16 takes 1 to ", kSmallRows, " rows, got ", M);
+  const int64_t K16 = K / 16 * 16;
+  std::vector<float> xs(static_cast<size_t>(M * K));  // x as bfloat16 values, widened again: the GEMM's operand
+  if (x.scalar_type() == at::kFloat) {
+    const float* xf = x.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) xs[static_cast<size_t>(m * K + k)] = from_bf16(to_bf16(xf[m * ldx + k]));
+    }
+  } else {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) xs[static_cast<size_t>(m * K + k)] = from_bf16(xb[m * ldx + k]);
+    }
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kBFloat16));
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* yp = bf16_data(y);
+  const float* xsp = xs.data();
+  at::parallel_for(0, N, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, K)), [&](int64_t begin, int64_t end) {
+    const float* xl = xsp;  // locals, not captures (see the header)
+    const int64_t Ml = M, Kl = K, K16l = K16, Nl = N;
+    for (int64_t n = begin; n < end; ++n) {
+      const uint16_t* wr = wp + n * Kl;
+      v16 a0[kSmallRows], a1[kSmallRows];
+      for (int64_t m = 0; m < Ml; ++m) a0[m] = a1[m] = v16{};
+      int64_t k = 0;
+      for (; k + 32 <= K16l; k += 32) {
+        const v16 w0 = widen16(wr + k), w1 = widen16(wr + k + 16);
+        for (int64_t m = 0; m < Ml; ++m) {
+          a0[m] += vload(xl + m * Kl + k) * w0;
+          a1[m] += vload(xl + m * Kl + k + 16) * w1;
+        }
+      }
+      if (k < K16l) {
+        const v16 w0 = widen16(wr + k);
+        for (int64_t m = 0; m < Ml; ++m) a0[m] += vload(xl + m * Kl + k) * w0;
+      }
+      for (int64_t m = 0; m < Ml; ++m) {
+        a0[m] += a1[m];
+        float sum = lane_sum(a0[m]);
+        for (int64_t t = K16l; t < Kl; ++t) sum += xl[m * Kl + t] * from_bf16(wr[t]);
+        yp[m * Nl + n] = to_bf16(sum);
+      }
+    }
+  });
+  return y;
+}
+
 // out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
 // same pass, one read of the product and one write of the result (a LoRA layer's output, s·h·Bᵀ, or its input
 // gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
@@ -1764,6 +1829,7 @@ TORCH_LIBRARY(lorad_fused, m) {
         &lora_out_grads);
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("lowrank_rows(Tensor x, Tensor a) -> Tensor", &lowrank_rows);
+  m.def("small_rows_bf16(Tensor x, Tensor w) -> Tensor", &small_rows_bf16);
   m.def("rope_fwd(Tensor x, Tensor cos, Tensor sin, bool bf16) -> Tensor", &rope_fwd);
   m.def("rope_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lorad.kernels.fused import lora_out_grads, lowrank_rows, rms_norm_a_grads, widen_lowrank
+from lorad.kernels.fused import lora_out_grads, lowrank_rows, rms_norm_a_grads, small_rows_bf16, widen_lowrank
 from lorad.kernels.lora import LoRALinear, rows_fp32
 from lorad.kernels.rmsnorm import RMSNorm, rms_apply, rms_backward, rms_forward
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm, joint_bf16, joint_input_grad_product
@@ -77,7 +77,9 @@ def _joint(members: Sequence[LoRALinear]) -> Tensor | None:
 
 def _joint_product(joint: Tensor, x2: Tensor, x2_bf16: Tensor | None = None) -> Tensor:
     """Every member's bf16 product side by side [T, Σout]: ``x2`` converted to bf16 once (or given so), one GEMM."""
-    return torch.mm(x2.to(torch.bfloat16) if x2_bf16 is None else x2_bf16, joint.t())
+    rows = x2 if x2_bf16 is None else x2_bf16
+    small = small_rows_bf16(rows, joint)  # a generated token's row (fused.SMALL_ROWS)
+    return small if small is not None else torch.mm(rows.to(torch.bfloat16), joint.t())
 
 
 def finish_forward(

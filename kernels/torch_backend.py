@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_rows, quantize_weight
 from lorad.kernels.capabilities import CAPABILITIES, cpu_int8
+from lorad.kernels.fused import small_rows_bf16
 
 SUPPORTED = CAPABILITIES["torch"].precisions
 
@@ -74,8 +75,10 @@ class TorchFrozenLinear:
     def bf16_product(self, x: Tensor) -> Tensor:
         """``x·Wᵀ`` as the bf16 GEMM returns it (bf16 operands, fp32 accumulation inside oneDNN, a bf16 result);
         only at forward precision bf16. ``forward(x)`` is ``widen`` of it, so a caller may keep this half-size tensor
-        and rebuild the output bit for bit later."""
-        return torch.mm(x.to(torch.bfloat16), self._store["bf16"][0].t())
+        and rebuild the output bit for bit later. A row or two (generation's tokens) run ``small_rows_bf16``."""
+        w = self._store["bf16"][0]
+        small = small_rows_bf16(x, w)
+        return small if small is not None else torch.mm(x.to(torch.bfloat16), w.t())
 
     def input_grad_product(self, dy: Tensor) -> Tensor:
         """``dy·W`` [T, in] as the bf16 GEMM returns it (``dy`` rounded to bf16 unless it is bf16, fp32 accumulation

@@ -282,6 +282,54 @@ def _lowrank_operands(rows: int = 67, cols: int = 100, k: int = 5, seed: int = 4
     }
 
 
+@pytest.mark.parametrize("k", [576, 592, 600])  # K a multiple of 32; one more 16-column block; an 8-column tail
+def test_small_rows_are_the_bf16_product_one_rounding_from_exact(ops: object, k: int) -> None:
+    """Generation's per-token product: bf16 operands, fp32 sums, one bf16 rounding, the same bits at any thread count,
+    and the GEMM's (None) above SMALL_ROWS rows."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(203, k, generator=g) * 0.05).bfloat16()
+    rows = (
+        torch.randn(1, k, generator=g) * 3,
+        torch.randn(2, k + 40, generator=g)[:, :k],  # strided rows
+        torch.randn(2, k, generator=g).bfloat16(),
+    )
+    for x in rows:
+        got = fused.small_rows_bf16(x, w)
+        assert got is not None and got.dtype == torch.bfloat16 and got.shape == (x.shape[0], 203)
+        xb = x.bfloat16().double()
+        exact = xb @ w.double().t()
+        bound = exact.abs() * 2**-8 + 1e-5 * (xb.abs() @ w.double().abs().t())  # half a bf16 ulp, fp32 sums
+        assert ((got.double() - exact).abs() <= bound).all()
+        torch.testing.assert_close(got.float(), torch.mm(x.bfloat16(), w.t()).float(), rtol=2**-7, atol=1e-3)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(fused.small_rows_bf16(x, w), got)
+        finally:
+            torch.set_num_threads(before)
+    assert fused.small_rows_bf16(torch.randn(fused.SMALL_ROWS + 1, k), w) is None
+    with fused.disabled():
+        assert fused.small_rows_bf16(rows[0], w) is None
+    with pytest.raises(RuntimeError, match="small_rows_bf16 takes 1 to 8 rows, got 9"):
+        ops.small_rows_bf16(torch.randn(9, k), w)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=f"w has 10 columns, x has {k}"):
+        ops.small_rows_bf16(rows[0], w[:, :10].contiguous())  # type: ignore[attr-defined]
+
+
+def test_a_frozen_bf16_layer_runs_a_token_through_the_small_rows_kernel(ops: object) -> None:
+    from lorad.kernels.torch_backend import TorchFrozenLinear
+
+    g = torch.Generator().manual_seed(5)
+    lin = TorchFrozenLinear(torch.randn(96, 64, generator=g), torch.randn(96, generator=g), precision="bf16",
+                            precision_bwd="bf16", name="layer")  # fmt: skip
+    x = torch.randn(1, 64, generator=g)
+    w = lin._store["bf16"][0]
+    assert torch.equal(lin.bf16_product(x), ops.small_rows_bf16(x, w))  # type: ignore[attr-defined]
+    assert torch.equal(lin.forward(x), lin.widen(lin.bf16_product(x)))
+    many = torch.randn(16, 64, generator=g)  # a training or eval step's rows: oneDNN's GEMM
+    assert torch.equal(lin.bf16_product(many), torch.mm(many.bfloat16(), w.t()))
+
+
 @pytest.mark.parametrize("shape", [(67, 100, 5), (256, 576, 8), (256, 192, 24), (1, 1, 1)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_widen_lowrank_matches_torch(ops: object, shape: tuple[int, int, int], with_bias: bool) -> None:
