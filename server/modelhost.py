@@ -155,7 +155,8 @@ class ModelHost:
         with self._lock:
             if e.name not in self._loaded:
                 import_engine()
-                from lorad.server.engine.api import load_model, resolve_precision
+                from lorad.kernels.capabilities import capability
+                from lorad.server.engine.api import load_model
 
                 info = self.backend.info
                 try:
@@ -163,7 +164,7 @@ class ModelHost:
                         e.source,
                         cache_root=self.cache_root,
                         backend=info.name,
-                        precision=resolve_precision("auto", info.name),
+                        precision=capability(info.name).generation(),
                         lora=None,
                     )
                 except OSError as exc:  # a missing or unreadable model folder; its path stays in the log

@@ -255,3 +255,15 @@ def test_model_facts_never_wait_for_the_first_read_and_name_an_unreadable_model(
     assert host.facts("gone") == gone and host.facts("gone") == READING  # ...only once FACTS_RETRY_S has passed
     gate.set()
     assert settled("gone") == gone
+
+
+def test_the_base_model_generates_at_the_generation_precision(tiny: Path, tmp_path: Path) -> None:
+    """Generate's model: bf16 where the CPU has bf16 dot products (half the weights held and read per token), else the
+    fp32 reference; the same choice as an unplanned job's."""
+    from lorad.kernels.capabilities import capability, native_on_this_cpu
+
+    host = ModelHost(str(tiny), (), tmp_path / "cache", decide_backend("torch"))
+    want = "bf16" if native_on_this_cpu("bf16").native else "fp32"
+    assert capability("torch").generation() == capability("torch").unplanned() == want
+    layer = host.base("").model.layers[0].self_attn.q_proj.frozen
+    assert (layer.precision_fwd, layer.precision_bwd) == (want, want)
