@@ -14,6 +14,7 @@ import torch
 
 from lorad.kernels import fused
 from lorad.server.engine.api import build_model
+from lorad.server.engine.training.trainer import torch_threads
 
 needs_compiler = pytest.mark.skipif(fused._compiler() is None, reason="no C++ compiler on this machine")
 
@@ -301,12 +302,8 @@ def test_small_rows_are_the_bf16_product_one_rounding_from_exact(ops: object, k:
         bound = exact.abs() * 2**-8 + 1e-5 * (xb.abs() @ w.double().abs().t())  # half a bf16 ulp, fp32 sums
         assert ((got.double() - exact).abs() <= bound).all()
         torch.testing.assert_close(got.float(), torch.mm(x.bfloat16(), w.t()).float(), rtol=2**-7, atol=1e-3)
-        before = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
+        with torch_threads(1):
             assert torch.equal(fused.small_rows_bf16(x, w), got)
-        finally:
-            torch.set_num_threads(before)
     assert fused.small_rows_bf16(torch.randn(fused.SMALL_ROWS + 1, k), w) is None
     with fused.disabled():
         assert fused.small_rows_bf16(rows[0], w) is None
