@@ -7,7 +7,8 @@ Three systems, measured in the same run, round-robin within each round (greedy, 
 - ``bf16 oneDNN``: bf16 weights through oneDNN's GEMM (``fused.small_rows_bf16`` off);
 - ``bf16`` (the daemon's ``Capability.generation()`` where the CPU has bf16 dot products): the small-rows kernel.
 Printed: median ms a token after the first (decode), the prompt's time, and how many of the greedy tokens each system
-shares with fp32's (bf16 rounding may change a near-tie).
+shares with fp32's (bf16 rounding may change a near-tie). Generation runs as the daemon's Generate does (``generate``:
+text decoded as it goes, a stop token ends it).
 """
 
 from __future__ import annotations
@@ -24,21 +25,20 @@ from typing import Any
 import torch
 
 from lorad.kernels import fused
-from lorad.server.engine.api import SamplingConfig, load_model, resolve, resolve_backend
+from lorad.server.engine.api import SamplingConfig, generate, load_model, resolve, resolve_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Tell me a short story about a baker who plants tomatoes at night."
 
 
 def _run(loaded: Any, ids: list[int], tokens: int) -> tuple[float, float, list[int]]:
-    """(prompt seconds, median decode seconds a token, the generated ids) of one greedy generation."""
-    from lorad.server.engine.models.generate import generate_ids
-
+    """(prompt seconds, median decode seconds a token, the generated ids) of one greedy generation, as the daemon's
+    Generate runs it (text decoded as it goes; a stop token ends it early)."""
     cfg = SamplingConfig(max_new_tokens=tokens)
     stamps, out = [time.perf_counter()], []
-    for tid in generate_ids(loaded.model, ids, cfg, adapter=None, stop_ids=frozenset()):
+    for t in generate(loaded.model, loaded.tokenizer, ids, cfg, adapter=None):
         stamps.append(time.perf_counter())
-        out.append(tid)
+        out.append(t.id)
     steps = [b - a for a, b in itertools.pairwise(stamps[1:])]
     return stamps[1] - stamps[0], statistics.median(steps), out
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'system':12} {'ms/token':>9} {'tok/s':>7} {'× fp32':>7} {'prompt ms':>10} {'same tokens':>12}  by round")
     for r in rows:
         print(f"{r['system']:12} {r['ms_per_token']:9.1f} {r['tokens_per_s']:7.1f} {base / r['ms_per_token']:7.2f} "
-              f"{r['prompt_ms']:10.1f} {r['tokens_same_as_fp32']:>5}/{a.tokens:<6}  {r['by_round_ms']}")  # fmt: skip
+              f"{r['prompt_ms']:10.1f} {r['tokens_same_as_fp32']:>5}/{len(ref):<6}  {r['by_round_ms']}")  # fmt: skip
     if a.json:
         print(json.dumps({"model": resolve(None, cache).path.name, "backend": backend, "rows": rows}))
     return 0

@@ -74,7 +74,7 @@ class Capability:
         """The precision the daemon loads its base model at for Generate: ``unplanned``'s, bf16 where this machine
         runs it natively (what its jobs train most layers at), else the reference. A generated token reads every
         weight once: SmolLM2 in bf16 reads 269 MB where fp32 read 538, the loaded model holds half the memory, and
-        ``fused.small_rows_bf16`` streams it at the memory's speed (Zen 5, 2 threads: 55 -> ~20 ms a token)."""
+        ``fused.small_rows_bf16`` streams it at the memory's speed (Zen 5, 2 threads: 65 -> 21 ms a token)."""
         return self.unplanned()
 
     def is_emulated(self, precision: str) -> bool:
