@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -39,18 +40,34 @@ def scrub_paths(text: str) -> str:
     return _ABS_PATH.sub(lambda m: "…/" + (m.group(0).rstrip("/").rsplit("/", 1)[-1]), text)
 
 
-def tree_size(path: Path) -> int:
-    """Bytes of all files under ``path`` (0 if absent)."""
+def _file_sizes(path: Path) -> Iterator[int]:
+    """The size of ``path`` if it is a file, else of every file under it (none if absent)."""
     if path.is_file():
-        return path.stat().st_size
-    total = 0
+        yield path.stat().st_size
+        return
     for root, _, files in os.walk(path):
         for f in files:
             try:
-                total += (Path(root) / f).stat().st_size
+                yield (Path(root) / f).stat().st_size
             except OSError:
                 pass
-    return total
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of all files under ``path`` (0 if absent)."""
+    return sum(_file_sizes(path))
+
+
+def largest_file(path: Path) -> int:
+    """Bytes of the largest file under ``path`` (0 if there is none)."""
+    return max(_file_sizes(path), default=0)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem holding ``path`` (its nearest existing parent when it does not exist yet)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def remove_tree(path: Path) -> int:

@@ -9,8 +9,6 @@ kill -9), so no acknowledged data or finished step beyond the last checkpoint is
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -25,7 +23,7 @@ from lorad.server.device.probes import Readings
 from lorad.server.engine.api import HEARTBEAT_PERIOD_S
 from lorad.server.errors import FailedPrecondition, NotFound
 from lorad.server.intents import SpaceReserve
-from lorad.server.jobs.files import Layout, remove_tree, scrub_paths, tree_size
+from lorad.server.jobs.files import Layout, free_bytes, largest_file, remove_tree, scrub_paths, tree_size
 from lorad.server.jobs.hub import EventHub
 from lorad.server.jobs.session import AdapterArtifact, JobFailure, SessionFactory, SessionRequest
 from lorad.server.records import (
@@ -56,23 +54,9 @@ events and for the daemon's space reserve (4 MiB) made again. Until then it wait
 failing, so a night's steps up to its last checkpoint are kept."""
 
 
-def free_bytes(path: Path) -> int:
-    """Free bytes of the filesystem holding ``path`` (its nearest existing parent when it does not exist yet)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
 def disk_needed(work: Path) -> int:
     """Free bytes a job waiting for disk needs before it starts again (``DISK_RESERVE_BYTES``)."""
-    largest = 0
-    for root, _, files in os.walk(work):
-        for f in files:
-            try:
-                largest = max(largest, (Path(root) / f).stat().st_size)
-            except OSError:
-                pass
-    return DISK_RESERVE_BYTES + 2 * largest
+    return DISK_RESERVE_BYTES + 2 * largest_file(work)
 
 
 class Runner:
