@@ -31,9 +31,9 @@ from lorad.kernels.frozen import make_frozen_linear
 
 log = structlog.get_logger(__name__)
 
-COSTS_VERSION = 6  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats;
+COSTS_VERSION = 7  # 2: torch w8a8 a real int8 GEMM on CPUs with int8 dot products; 3: fastest of the repeats;
 # 4: a shape's precisions timed in alternation, busy tables not cached; 5: fastest over PASSES passes; 6: ort-cpu
-# w8a8 runs the uint8 x uint8 kernel on x86 without VNNI
+# w8a8 runs the uint8 x uint8 kernel on x86 without VNNI; 7: torch w8a8 quantizes and rescales in one fused pass each
 PASSES = 3
 """Passes over all shapes; each entry keeps its fastest call over all of them. A fresh process's first second ran
 int8 products up to 1.7x slower than later ones (bf16 1.1x), so one pass put SmolLM2's w8a8/bf16 ratios at 0.82-1.06

@@ -371,6 +371,28 @@ def small_rows_bf16(x: Tensor, w: Tensor) -> Tensor | None:
     return out
 
 
+def quantize_rows_i8(a: Tensor, col_scale: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """``_quant.quantize_rows(a * col_scale)`` (int8 [T, K], float32 scales [T, 1]) in one pass over float32 rows
+    ``a`` [T, K] with contiguous columns, the same bits as torch's ten ops; None where the kernels do not run or the
+    operands are not these (the caller's torch ops then)."""
+    ops = kernels()
+    if ops is None or not _rows_ok(a) or (col_scale is not None and col_scale.dtype != torch.float32):
+        return None
+    got: tuple[Tensor, Tensor] = ops.quantize_rows_i8(a, _NO_BIAS if col_scale is None else col_scale.contiguous())
+    return got
+
+
+def int8_rescale(acc: Tensor, row_scale: Tensor, col_scale: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    """``acc.float().mul_(row_scale).mul_(col_scale).add_(bias)`` (the factors given) in one pass over an int8 GEMM's
+    int32 sums ``acc`` [T, N]: float32 [T, N], the same bits; None where the kernels do not run."""
+    ops = kernels()
+    if ops is None or acc.dtype != torch.int32 or not acc.is_contiguous():
+        return None
+    cols = _NO_BIAS if col_scale is None else col_scale.contiguous()
+    out: Tensor = ops.int8_rescale(acc, row_scale, cols, _NO_BIAS if bias is None else bias.contiguous())
+    return out
+
+
 def widen_lowrank(prod: Tensor, h: Tensor, m: Tensor, *, scaling: float, bias: Tensor | None = None) -> Tensor:
     """``(float(prod) + bias) + scaling·h·m`` [R, N] float32 from a bf16 GEMM's product ``prod`` [R, N] and a rank-k
     term ``h`` [R, k]·``m`` [k, N] (a LoRA layer's ``s·h·Bᵀ`` on its frozen output, or ``s·g·A`` on its input

@@ -888,6 +888,110 @@ at::Tensor small_rows_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// Per-row symmetric int8 quantization of float32 rows a [R, K] (contiguous columns, any row stride), each row first
+// multiplied by the column scales c [K] when c is given (the input gradient folds the weight's per-channel scales into
+// dy): scale = max(absmax(row), 1e-30) / 127 and q = clamp(round_half_even(row / scale), ±127), what
+// _quant.quantize_rows computes with torch's ops (abs, amax, clamp, two divisions, round, clamp, a cast: ten passes
+// over memory, each its own dispatch), in one pass that reads each row once more from L1. The division is IEEE's,
+// as torch's; rounding to the nearest even integer adds and subtracts 1.5·2^23 (|row / scale| <= 127 + an ulp, so the
+// sum is exact but for that rounding). A row holding a NaN or an infinity gets a NaN scale and q = 0.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_i8(const at::Tensor& a, const at::Tensor& c) {
+  check_rows(a, "a");
+  TORCH_CHECK(a.scalar_type() == at::kFloat, "a must be float32, got ", a.scalar_type());
+  const int64_t R = a.size(0), K = a.size(1), lda = a.stride(0);
+  const bool has_c = c.numel() > 0;
+  TORCH_CHECK(!has_c || (c.dim() == 1 && c.size(0) == K && c.scalar_type() == at::kFloat && c.is_contiguous()),
+              "c must be a contiguous float32 vector of ", K, " elements, got ", c.sizes(), " ", c.scalar_type());
+  at::Tensor q = at::empty({R, K}, a.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({R, 1}, a.options());
+  if (R == 0) return {q, scale};
+  const float* ap = a.data_ptr<float>();
+  const float* cp = has_c ? c.data_ptr<float>() : nullptr;
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, R, grain_rows(K), [&](int64_t begin, int64_t end) {
+    const int64_t Kl = K;
+    const float* cl = cp;
+    std::vector<float> buf(static_cast<size_t>(cl != nullptr ? Kl : 0));
+    for (int64_t r = begin; r < end; ++r) {
+      const float* src = ap + r * lda;
+      if (cl != nullptr) {
+        float* b = buf.data();
+#pragma omp simd
+        for (int64_t k = 0; k < Kl; ++k) b[k] = src[k] * cl[k];
+        src = b;
+      }
+      float m = 0.0f, probe = 0.0f;  // probe: NaN when the row holds a NaN or an infinity
+#pragma omp simd reduction(max : m) reduction(+ : probe)
+      for (int64_t k = 0; k < Kl; ++k) {
+        const float v = std::fabs(src[k]);
+        m = v > m ? v : m;
+        probe += src[k] - src[k];
+      }
+      const float sc = probe == probe ? std::max(m, 1e-30f) / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      sp[r] = sc;
+      int8_t* qr = qp + r * Kl;
+      constexpr float kRound = 12582912.0f;  // 1.5·2^23: v + it - it is v rounded to the nearest even integer
+#pragma omp simd
+      for (int64_t k = 0; k < Kl; ++k) {
+        float v = src[k] / sc;
+        v = (v + kRound) - kRound;
+        v = v > 127.0f ? 127.0f : v;
+        v = v < -127.0f ? -127.0f : v;
+        v = v == v ? v : 0.0f;
+        qr[k] = static_cast<int8_t>(static_cast<int32_t>(v));
+      }
+    }
+  });
+  return {q, scale};
+}
+
+// y [R, N] float32 = (float(acc)·s_row)·c (+ bias) from an int8 GEMM's int32 sums acc [R, N] (contiguous), the rows'
+// quantization scales s [R, 1] and, when given, per-column scales c [N] (a w8a8 weight's output channels) and a bias
+// [N]: the products in the order torch's .float().mul_(s).mul_(c).add_(bias) takes them, one pass over memory.
+at::Tensor int8_rescale(const at::Tensor& acc, const at::Tensor& s, const at::Tensor& c, const at::Tensor& bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.is_contiguous(),
+              "acc must be a contiguous int32 matrix, got ", acc.sizes(), " ", acc.scalar_type());
+  const int64_t R = acc.size(0), N = acc.size(1);
+  TORCH_CHECK(s.numel() == R && s.scalar_type() == at::kFloat && s.is_contiguous(),
+              "s must hold one float32 per row (", R, "), got ", s.sizes(), " ", s.scalar_type());
+  for (const at::Tensor* v : {&c, &bias}) {
+    TORCH_CHECK(v->numel() == 0 || (v->dim() == 1 && v->size(0) == N && v->scalar_type() == at::kFloat &&
+                                    v->is_contiguous()),
+                "column scales and bias must be contiguous float32 vectors of ", N, " elements, got ", v->sizes(),
+                " ", v->scalar_type());
+  }
+  at::Tensor y = at::empty({R, N}, s.options());
+  if (R == 0 || N == 0) return y;
+  const int32_t* ip = acc.data_ptr<int32_t>();
+  const float* spp = s.data_ptr<float>();
+  const float* cp = c.numel() > 0 ? c.data_ptr<float>() : nullptr;
+  const float* bp = bias.numel() > 0 ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, grain_rows(N), [&](int64_t begin, int64_t end) {
+    const int64_t Nl = N;
+    const float* cl = cp;
+    const float* bl = bp;
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* ir = ip + r * Nl;
+      float* yr = yp + r * Nl;
+      const float sr = spp[r];
+      if (cl != nullptr) {
+#pragma omp simd
+        for (int64_t n = 0; n < Nl; ++n) yr[n] = static_cast<float>(ir[n]) * sr * cl[n];
+      } else {
+#pragma omp simd
+        for (int64_t n = 0; n < Nl; ++n) yr[n] = static_cast<float>(ir[n]) * sr;
+      }
+      if (bl != nullptr) {  // a pass of its own: in the product's loop the compiler fuses the add into an FMA
+#pragma omp simd
+        for (int64_t n = 0; n < Nl; ++n) yr[n] += bl[n];
+      }
+    }
+  });
+  return y;
+}
+
 // out [R, N] float32 = (float(prod) + bias) + s·(h·m): a bf16 GEMM's product widened with a rank-k term added in the
 // same pass, one read of the product and one write of the result (a LoRA layer's output, s·h·Bᵀ, or its input
 // gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
@@ -1830,6 +1934,8 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("lowrank_rows(Tensor x, Tensor a) -> Tensor", &lowrank_rows);
   m.def("small_rows_bf16(Tensor x, Tensor w) -> Tensor", &small_rows_bf16);
+  m.def("quantize_rows_i8(Tensor a, Tensor c) -> (Tensor, Tensor)", &quantize_rows_i8);
+  m.def("int8_rescale(Tensor acc, Tensor s, Tensor c, Tensor bias) -> Tensor", &int8_rescale);
   m.def("rope_fwd(Tensor x, Tensor cos, Tensor sin, bool bf16) -> Tensor", &rope_fwd);
   m.def("rope_bwd(Tensor g, Tensor cos, Tensor sin) -> Tensor", &rope_bwd);
   m.def("softmax_xent_bf16_(Tensor(a!) logits, Tensor labels, float denom) -> Tensor", &softmax_xent_bf16_);

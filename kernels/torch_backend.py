@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lorad.kernels._quant import ACT_BITS, WEIGHT_BITS, check_precision, fake_quant_act, quantize_rows, quantize_weight
 from lorad.kernels.capabilities import CAPABILITIES, cpu_int8
-from lorad.kernels.fused import small_rows_bf16
+from lorad.kernels.fused import int8_rescale, quantize_rows_i8, small_rows_bf16
 
 SUPPORTED = CAPABILITIES["torch"].precisions
 
@@ -65,8 +65,7 @@ class TorchFrozenLinear:
         if self.precision_fwd == "w8a8":
             wq, sw = self._store["w8a8"]
             assert sw is not None
-            y = _int8_mm(x, wq.t()).mul_(sw)
-            return y if self.bias is None else y.add_(self.bias)
+            return _int8_mm(x, wq.t(), col_scale=sw, bias=self.bias)
         x = _act(x.float(), self.precision_fwd)
         w = self._dense(self.precision_fwd)
         y = x @ w.t() if self.bias is None else torch.addmm(self.bias, x, w.t())
@@ -100,7 +99,7 @@ class TorchFrozenLinear:
         if self.precision_bwd == "w8a8":
             wq, sw = self._store["w8a8"]
             assert sw is not None
-            return _int8_mm(dy * sw, wq)
+            return _int8_mm(dy, wq, row_fold=sw)
         dy = _act(dy.float(), self.precision_bwd)
         return dy @ self._dense(self.precision_bwd)
 
@@ -178,16 +177,31 @@ def _bf16_both_ways(f: object) -> bool:
     return isinstance(f, TorchFrozenLinear) and f.precision_fwd == f.precision_bwd == "bf16"
 
 
-def _int8_mm(a: Tensor, b: Tensor) -> Tensor:
-    """``q(a)·b`` rescaled by a's per-row scales to float32 [T, N]; ``b`` [K, N] int8 (a transposed view is fine).
+def _int8_mm(
+    a: Tensor, b: Tensor, *, row_fold: Tensor | None = None, col_scale: Tensor | None = None, bias: Tensor | None = None
+) -> Tensor:
+    """``q(a·diag(row_fold))·b`` rescaled by the quantized rows' scales, then by ``col_scale`` per output column, plus
+    ``bias``: float32 [T, N]; ``b`` [K, N] int8 (a transposed view is fine). The forward passes the weight's output
+    channel scales as ``col_scale``; the input gradient folds them into dy (``row_fold``) before quantizing.
 
-    Natively an int8 GEMM with exact int32 accumulation; without int8 dot products the same grid multiplied in
-    float32 (the emulation: same numbers up to fp32 rounding of the sums, no speed gain).
+    Natively an int8 GEMM with exact int32 accumulation, quantization and rescaling one fused pass each where the
+    kernels run (the same bits as the torch ops); without int8 dot products the same grid multiplied in float32 (the
+    emulation: same numbers up to fp32 rounding of the sums, no speed gain).
     """
-    q, s = quantize_rows(a.float(), 8)
+    a = a.float()
+    got = quantize_rows_i8(a, row_fold)
+    q, s = got if got is not None else quantize_rows(a if row_fold is None else a * row_fold, 8)
     if cpu_int8().native:
-        return torch._int_mm(q, b).float().mul_(s)
-    return (q.float() @ b.float()).mul_(s)
+        acc = torch._int_mm(q, b)
+        y = int8_rescale(acc, s, col_scale, bias)
+        if y is not None:
+            return y
+        y = acc.float().mul_(s)
+    else:
+        y = (q.float() @ b.float()).mul_(s)
+    if col_scale is not None:
+        y.mul_(col_scale)
+    return y if bias is None else y.add_(bias)
 
 
 def _encode(weight: Tensor, precision: str) -> tuple[Tensor, Tensor | None]:

@@ -342,6 +342,61 @@ def test_widen_lowrank_matches_torch(ops: object, shape: tuple[int, int, int], w
     assert torch.equal(again, got)  # the same bits whatever the operands' strides: the nodes rebuild outputs with it
 
 
+@pytest.mark.parametrize("cols", [1, 17, 96, 576, 1536])
+@pytest.mark.parametrize("with_scales", [True, False])
+def test_int8_row_quantization_is_torchs_bit_for_bit(ops: object, cols: int, with_scales: bool) -> None:
+    from lorad.kernels._quant import quantize_rows
+
+    g = torch.Generator().manual_seed(cols)
+    wide = torch.randn(37, 2 * cols + 3, generator=g) * 40
+    a = wide[:, 3 : 3 + cols]  # a column block: strided rows
+    a[1] = 0.0  # an all-zero row: scale 1e-30 / 127
+    a[2, : min(cols, 8)] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 63.5, -63.5])[: min(cols, 8)]  # halfway
+    a[3] *= 1e-6
+    c = torch.rand(cols, generator=g) * 0.03 if with_scales else None
+    q, s = fused.quantize_rows_i8(a, c)
+    q0, s0 = quantize_rows(a if c is None else a * c, 8)
+    assert q.dtype == torch.int8 and s.shape == (37, 1)
+    assert torch.equal(q, q0) and torch.equal(s, s0)
+
+
+def test_int8_quantization_of_a_row_with_a_nan_or_an_infinity(ops: object) -> None:
+    a = torch.ones(3, 32)
+    a[0, 5], a[1, 7] = float("nan"), float("inf")
+    q, s = fused.quantize_rows_i8(a)
+    assert torch.isnan(s[:2]).all() and s[2, 0] == 1.0 / 127
+    assert (q[:2] == 0).all() and (q[2] == 127).all()
+
+
+@pytest.mark.parametrize("with_cols", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_int8_rescale_is_torchs_bit_for_bit(ops: object, with_cols: bool, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randint(-(2**22), 2**22, (45, 203), generator=g, dtype=torch.int32)
+    s = torch.rand(45, 1, generator=g) * 1e-3
+    c = torch.rand(203, generator=g) if with_cols else None
+    b = torch.randn(203, generator=g) if with_bias else None
+    y = fused.int8_rescale(acc, s, c, b)
+    ref = acc.float().mul_(s)
+    if c is not None:
+        ref.mul_(c)
+    if b is not None:
+        ref.add_(b)
+    assert y is not None and torch.equal(y, ref)
+
+
+def test_a_torch_w8a8_layer_gives_the_same_bits_with_and_without_the_kernels(ops: object) -> None:
+    from lorad.kernels.frozen import make_frozen_linear
+
+    g = torch.Generator().manual_seed(9)
+    w, b = torch.randn(48, 80, generator=g) * 0.05, torch.randn(48, generator=g)
+    fl = make_frozen_linear(w, b, backend="torch", precision="w8a8", name="probe")
+    x, dy = torch.randn(21, 80, generator=g), torch.randn(21, 48, generator=g)
+    y, dx = fl.forward(x), fl.input_grad(dy)
+    with fused.disabled():
+        assert torch.equal(fl.forward(x), y) and torch.equal(fl.input_grad(dy), dx)
+
+
 def test_bf16_copies_round_like_torch_at_the_edges(ops: object) -> None:
     """Ties to even, overflow to inf, subnormals, signed zero: what torch's .to(torch.bfloat16) gives; NaN stays NaN."""
     edge = torch.tensor(
@@ -475,6 +530,15 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
         k.widen_lowrank(lr["prod"], lr["h"], lr["m"][:, :99], torch.empty(0), 1.0)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 vector of 100 elements, got \[3\]"):
         k.widen_lowrank(lr["prod"], lr["h"], lr["m"], lr["bias"][:3], 1.0)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="a must be float32, got BFloat16"):
+        k.quantize_rows_i8(t["x"].bfloat16(), torch.empty(0))  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"c must be a contiguous float32 vector of 96 elements, got \[95\]"):
+        k.quantize_rows_i8(t["x"], t["w"][:95])  # type: ignore[union-attr]
+    acc = torch.zeros(67, 96, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"s must hold one float32 per row \(67\)"):
+        k.int8_rescale(acc, torch.ones(66, 1), torch.empty(0), torch.empty(0))  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="acc must be a contiguous int32 matrix"):
+        k.int8_rescale(acc.float(), torch.ones(67, 1), torch.empty(0), torch.empty(0))  # type: ignore[union-attr]
     # The Python entry points take any layout: what the kernels cannot take goes to torch ops.
     act, _ = fused.swiglu_forward(t["gate"].t(), t["up"].t())
     torch.testing.assert_close(act, torch.nn.functional.silu(t["gate"].t()) * t["up"].t())
