@@ -12,7 +12,8 @@ from lorad.kernels._quant import BYTES_PER_WEIGHT
 
 PLAN_VERSION = 2  # 2: fast (local) mode fields; version-1 plans still load
 # Bumped whenever a change in how plans are measured or chosen would choose differently (part of cache keys).
-PLANNER_VERSION = "3.10"  # 3.10: priced with cost tables of torch w8a8 with fused quantization (costs 7).
+PLANNER_VERSION = "3.11"  # 3.11: a plan verified below REFINE_BELOW of the budget is chosen again (planner.REFINE_AIM).
+# 3.10: priced with cost tables of torch w8a8 with fused quantization (costs 7).
 # 3.9: ort-cpu w8a8 stored as uint8 on x86 without VNNI (int16 saturation gone).
 # 3.8: COST_MARGIN 0.25 (and costs.PASSES: cost tables timed in three passes).
 # 3.7: measured costs priced per weight of each precision pair; FIRST_AIM 0.6.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -292,6 +293,63 @@ def test_the_first_plan_aims_below_the_budget(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(planner, "FIRST_AIM", 1.0)
     whole = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=budget, max_layer_error=1.0)
     assert whole.estimated_error > aimed.estimated_error, whole.table()
+
+
+def _lowered(plan: object) -> int:
+    return sum(1 for lp in plan.layers.values() for p in (lp.precision_fwd, lp.precision_bwd) if p != "fp32")
+
+
+def _plan_with_k_too_high(monkeypatch, rounds: int, later: Any = None) -> tuple[Any, float]:
+    """A 16-layer chain planned at 0.9 of its all-int8 drift, with the calibration run (the cheapest plan) reporting
+    twice its drift: k twice too high, as on SmolLM2 where the cheapest plan's drift is mostly k/v's; ``later``
+    (run number, drift) -> drift replaces the drift of the runs after the first plan's verification."""
+    from lorad.kernels import planner
+
+    real = getattr(planner.fast.whole_drift, "real", planner.fast.whole_drift)  # not an earlier call's wrapper
+    monkeypatch.setattr(planner.fast, "whole_drift", real)
+    torch.manual_seed(2)  # LoRA A's init: the same chain in every call
+    model, loss_fn, weights = _chain_setup(n=16)
+    free = plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=1.0, max_layer_error=1.0)
+    budget = 0.9 * free.calibration["cheapest_error"]
+    runs = {"n": 0}
+
+    def drift(*a: torch.Tensor) -> dict[str, float]:
+        runs["n"] += 1
+        d = real(*a)
+        if runs["n"] == 1:
+            return {**d, "error": 2 * d["error"]}
+        return later(runs["n"], d) if later is not None and runs["n"] > 2 else d
+
+    drift.real = real  # type: ignore[attr-defined]
+    monkeypatch.setattr(planner.fast, "whole_drift", drift)
+    monkeypatch.setattr(planner, "REFINE_ROUNDS", rounds)
+    return plan_precision(model, loss_fn, weights, candidates=("w8a8",), budget=budget, max_layer_error=1.0), budget
+
+
+def test_a_plan_verified_far_below_the_budget_is_chosen_again_with_k_measured_on_it(monkeypatch) -> None:
+    """A first plan well inside the budget (k was measured too high on the cheapest plan) is chosen again with k
+    measured on that plan, and each new choice is kept only once its own run verifies it within the budget."""
+    from lorad.kernels import planner
+
+    rounds = planner.REFINE_ROUNDS
+    first, budget = _plan_with_k_too_high(monkeypatch, 0)
+    assert 0 < first.verified["error"] < planner.REFINE_BELOW * budget, first.table()
+    plan, _ = _plan_with_k_too_high(monkeypatch, rounds)
+    refined = [h for h in plan.history if h.get("refined")]
+    assert refined and plan.history[0]["error"] == first.verified["error"], plan.table()
+    assert _lowered(plan) > _lowered(first), plan.table()
+    assert first.verified["error"] < plan.verified["error"] <= budget
+    assert plan.calibration["verify_runs"] == first.calibration["verify_runs"] + len(refined)
+    assert plan.estimated_error > first.estimated_error
+
+
+def test_a_second_choice_that_fails_its_verification_leaves_the_first_plan(monkeypatch) -> None:
+    first, budget = _plan_with_k_too_high(monkeypatch, 0)
+    plan, _ = _plan_with_k_too_high(monkeypatch, 3, later=lambda n, d: {**d, "error": 2 * budget})
+    assert [h["error"] for h in plan.history if h.get("refined")] == [2 * budget], plan.table()
+    assert {n: plan.precisions(n) for n in plan.layers} == {n: first.precisions(n) for n in first.layers}
+    assert plan.verified == first.verified and plan.estimated_error == first.estimated_error
+    assert plan.calibration["verify_runs"] == first.calibration["verify_runs"] + 1
 
 
 def test_the_same_plan_from_any_cost_table_that_admits_the_same_precisions(monkeypatch: pytest.MonkeyPatch) -> None:
