@@ -83,7 +83,9 @@ class LayerwiseAdamW:
         self._lock = threading.Lock()  # guards _futures between the autograd thread and finish()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorad-optim") if self.early else None
         self._optim_s = 0.0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_of]
+        # Only early stepping reads the hooks: without it they would be 420 no-op Python calls a SmolLM2 backward.
+        hooked = self._group_of if self.early else {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
 
     @property
     def group_names(self) -> list[str]:
