@@ -64,8 +64,11 @@ def test_global_clip_is_exact_and_not_early() -> None:
     m, early = _run_layerwise(overlap=True, max_norm=0.05, mode="global")
     assert early == [0, 0, 0, 0]
     # and nothing listens to the gradients: their hooks would be a no-op Python call per parameter every backward
-    assert LayerwiseAdamW(m.lora_groups(), max_grad_norm=0.05, clip_mode="global", overlap=True, **KW)._hooks == []
-    assert LayerwiseAdamW(m.lora_groups(), max_grad_norm=0.0, clip_mode="global", overlap=True, **KW)._hooks
+    clipped = LayerwiseAdamW(m.lora_groups(), max_grad_norm=0.05, clip_mode="global", overlap=True, **KW)
+    unclipped = LayerwiseAdamW(m.lora_groups(), max_grad_norm=0.0, clip_mode="global", overlap=True, **KW)
+    assert clipped._hooks == [] and unclipped._hooks
+    clipped.close()
+    unclipped.close()
     ref = _run_reference(0.05)
     assert _max_diff(m, ref) < 1e-7
     assert _max_diff(ref, _run_reference(0.0)) > 1e-4  # the clip was active
