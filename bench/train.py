@@ -22,6 +22,12 @@ The lorad systems run under the malloc ``lorad serve`` would use here (``trainin
 where glibc Linux has it installed, server/allocator.py); the PEFT baselines under the system's malloc, as a user
 runs them, or with ``--baseline-malloc daemon`` under the same one. Every row names its malloc.
 
+``--interleave N`` runs the systems of a round side by side instead of one after another: every worker loads its
+model (one at a time), then the workers take turns of N training steps each, round robin, one running while the
+others wait blocked, so every system's steps sample the host's speed over the same minutes. This 2-core VM's speed
+drifts by ±25 % over minutes, which one-after-another runs turn into ratio noise (SmolLM2, one-after-another rounds:
+2.33-3.25x PEFT fp32); the ratios of an interleaved round compare steps taken within seconds of each other.
+
 lorad's trainer does not compute a packed sequence's trailing padding (``packing.trim_tail``); the PEFT baselines get
 the packed batches whole, as Hugging Face computes them, or with ``--baseline-trim`` the same trimmed batches. Every
 row reports the positions it computed per step (``positions_per_step``).
@@ -48,6 +54,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "BENCH_RESULT "
+TURN = "BENCH_TURN"  # a worker under --interleave hands the CPU back to the driver (and waits for "go")
 SEQ_LEN, RANK, ALPHA, LR, WARMUP_LR, CLIP, SEED = 256, 8, 16.0, 2e-4, 3, 1.0, 1234
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (backend, precision, clip_mode, overlap). "global" clipping is what PEFT/HF Trainer do; with it the
@@ -184,6 +191,29 @@ def corpus(n: int, seed: int = SEED) -> list[Any]:
 
 
 # -- shared pieces -----------------------------------------------------------------------------------------------
+class _Turns:
+    """A worker's turns under ``--interleave N`` (``every`` = N; 0: it runs straight through): it hands the CPU back
+    to the driver once its model is loaded, after every N steps and after its last one, by printing ``TURN`` and
+    blocking until the driver writes a line. ``waited`` is the time spent blocked (kept out of time-to-first-step)."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.waited = every, 0.0
+
+    def hand_back(self) -> None:
+        if not self.every:
+            return
+        t = time.perf_counter()
+        print(TURN, flush=True)
+        if not sys.stdin.readline():  # the driver is gone
+            raise SystemExit(1)
+        self.waited += time.perf_counter() - t
+
+    def after_step(self, step: int, steps: int) -> None:
+        """After step ``step`` (1-based) of ``steps``."""
+        if self.every and (step % self.every == 0 or step == steps):
+            self.hand_back()
+
+
 def _rss_mb() -> tuple[float, float]:
     """(current RSS, peak RSS) of this process in MiB."""
     import psutil
@@ -348,16 +378,18 @@ def worker_lorad(system: str, a: argparse.Namespace) -> dict:
         prof = Profiler(interval=0.005)
         prof.start()
     cpu: list[float] = []
+    first: list[float] = []
+    turns = _Turns(a.turn_every)
+    turns.hand_back()  # loaded: the driver lets the steps start when it is this system's turn
     last = [time.process_time()]
 
-    first: list[float] = []
-
-    def on_progress(_p: Any) -> None:
-        if not first:
-            first.append(time.perf_counter() - t0)  # model load (+ plan lookup or planning) through step 1
+    def on_progress(p: Any) -> None:
+        if not first:  # model load (+ plan lookup or planning) through step 1, without waiting for a turn
+            first.append(time.perf_counter() - t0 - turns.waited)
         now = time.process_time()
         cpu.append(now - last[0])
-        last[0] = now
+        turns.after_step(p.step, a.steps)
+        last[0] = time.process_time()
 
     trainer.on_progress = on_progress
     res = trainer.run()
@@ -428,6 +460,8 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
     bf16 = system == "peft-bf16"
     model.train()
     times, cpu, losses = [], [], []
+    turns = _Turns(a.turn_every)
+    turns.hand_back()
     for step in range(a.steps):
         t, c = time.perf_counter(), time.process_time()
         for g in opt.param_groups:
@@ -444,6 +478,7 @@ def worker_peft(system: str, a: argparse.Namespace) -> dict:
         losses.append(float(loss.detach()))
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
+        turns.after_step(step + 1, a.steps)
     model.eval()
     num = den = 0.0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -488,9 +523,10 @@ def run_worker(a: argparse.Namespace) -> None:
 
 
 # -- driver ------------------------------------------------------------------------------------------------------
-def _spawn(
+def _worker_cmd(
     system: str, a: argparse.Namespace, init: Path, *, cache: str | None = None, steps: int | None = None
-) -> dict:
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one system's worker process."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -515,15 +551,85 @@ def _spawn(
         from lorad.server.config import TrainingSection
 
         env = preload_env(TrainingSection().allocator, env) or env  # as `lorad serve` starts with its defaults
+    return cmd, env
+
+
+def _spawn(
+    system: str, a: argparse.Namespace, init: Path, *, cache: str | None = None, steps: int | None = None
+) -> dict:
+    cmd, env = _worker_cmd(system, a, init, cache=cache, steps=steps)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=a.timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout)[-1500:]
-        return {"system": system, "error": f"exit {p.returncode}: {tail}"}
+    return _result(system, p.returncode, p.stdout, p.stderr, time.perf_counter() - t0)
+
+
+def _result(system: str, code: int, out: str, err: str, wall_s: float) -> dict:
+    """A worker's result row from its exit code and output (an ``error`` row when it failed)."""
+    lines = [ln for ln in out.splitlines() if ln.startswith(MARK)]
+    if code != 0 or not lines:
+        tail = (err or out)[-1500:]
+        return {"system": system, "error": f"exit {code}: {tail}"}
     r = json.loads(lines[-1][len(MARK) :])
-    r["system"], r["wall_s"] = system, time.perf_counter() - t0
+    r["system"], r["wall_s"] = system, wall_s
     return r
+
+
+def _interleaved(systems: list[str], a: argparse.Namespace, init: Path) -> dict[str, dict]:
+    """Every system's worker run side by side in turns of ``a.interleave`` steps (see the module docstring): each
+    loads alone, then the driver gives the turns round robin until every worker has exited; a worker's eval and
+    result follow its last turn, alone too. A worker that fails, or the group outliving ``a.timeout`` seconds per
+    system, ends that worker with an error row."""
+    t0 = time.perf_counter()
+    procs: dict[str, subprocess.Popen[str]] = {}
+    outs: dict[str, list[str]] = {s: [] for s in systems}
+    errs: dict[str, Any] = {}
+    deadline = t0 + a.timeout * len(systems)
+
+    def turn(s: str) -> bool:
+        """Reads ``s``'s output until it hands the CPU back (True) or exits (False)."""
+        p = procs[s]
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.rstrip("\n") == TURN:
+                return time.perf_counter() < deadline or _stop(p)
+            outs[s].append(line)
+        p.wait()
+        return False
+
+    try:
+        live: list[str] = []
+        for s in systems:  # one at a time: loading (and a plan lookup) is not part of anyone's steps
+            cmd, env = _worker_cmd(s, a, init)
+            errs[s] = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed below)
+            procs[s] = subprocess.Popen([*cmd, "--turn-every", str(a.interleave)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=errs[s], text=True, env=env)  # fmt: skip
+            if turn(s):
+                live.append(s)
+        while live:
+            for s in list(live):
+                stdin = procs[s].stdin
+                assert stdin is not None
+                stdin.write("go\n")
+                stdin.flush()
+                if not turn(s):
+                    live.remove(s)
+    finally:
+        for p in procs.values():
+            _stop(p)
+    got = {}
+    for s in systems:
+        errs[s].seek(0)
+        got[s] = _result(s, procs[s].returncode, "".join(outs[s]), errs[s].read(), time.perf_counter() - t0)
+        errs[s].close()
+    return got
+
+
+def _stop(p: subprocess.Popen[str]) -> bool:
+    """Ends a worker still running (False: for ``turn``'s timeout path)."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    return False
 
 
 def _init_path(a: argparse.Namespace) -> Path:
@@ -658,6 +764,14 @@ def main() -> None:
     )
     ap.add_argument("--busy", type=int, default=0, help="also time lorad-auto's first steps with N processes spinning")
     ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run a round's systems side by side, taking turns of N steps each (0: one after another)",
+    )
+    ap.add_argument("--turn-every", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -691,12 +805,18 @@ def main() -> None:
         # The host's speed drifts over minutes (this 2-core VM: ±25 %); alternating the order puts every system
         # next to its baselines early and late, and each round's ratios compare neighbouring runs.
         got: dict[str, dict] = {}
-        for s in systems if k % 2 == 0 else systems[::-1]:
-            if s == "lorad-auto" and k == 0:
-                first_steps[s] = _first_steps(a, init)
-            first = first_steps.get(s, {}) if k == 0 else {}
-            print(f"# round {k + 1}: running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
-            r = got[s] = _spawn(s, a, init) | first
+        order = systems if k % 2 == 0 else systems[::-1]
+        if k == 0 and "lorad-auto" in systems:
+            first_steps["lorad-auto"] = _first_steps(a, init)
+        if a.interleave:
+            print(f"# round {k + 1}: running {', '.join(order)} side by side, turns of {a.interleave} steps ...",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            got = _interleaved(order, a, init)
+        for s in order:
+            if not a.interleave:
+                print(f"# round {k + 1}: running {s} ({a.steps} steps) ...", file=sys.stderr, flush=True)
+                got[s] = _spawn(s, a, init)
+            r = got[s] = got[s] | (first_steps.get(s, {}) if k == 0 else {})
             msg = r.get("error") or "{:.1f} tok/s, peak {:.0f} MiB, {:.0f}s".format(
                 r["tokens_per_s"], r["peak_rss_mb"], r["wall_s"]
             )
@@ -707,7 +827,9 @@ def main() -> None:
     print(
         f"{a.model or 'SmolLM2-135M-Instruct'}, seq {SEQ_LEN}, batch 1, LoRA r={RANK} alpha={ALPHA:g} on all 7 "
         "projections, "
-        f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, {len(rounds)} round(s), "
+        f"K={a.steps} steps ({a.warmup} warm-up excluded), {a.threads} threads, {len(rounds)} round(s)"
+        + (f" interleaved in turns of {a.interleave} steps" if a.interleave else "")
+        + ", "
         f"total {time.perf_counter() - t0:.0f}s; positions computed per step (of {SEQ_LEN}): "
         + ", ".join(f"{r['system']} {r['positions_per_step']:.1f}" for r in rows if r.get("positions_per_step"))
     )
@@ -725,7 +847,15 @@ def main() -> None:
         ]
         print(
             json.dumps(
-                {"steps": a.steps, "warmup": a.warmup, "seq_len": SEQ_LEN, "threads": a.threads, "systems": slim}
+                {
+                    "steps": a.steps,
+                    "warmup": a.warmup,
+                    "seq_len": SEQ_LEN,
+                    "threads": a.threads,
+                    "interleave": a.interleave,
+                    "rounds": len(rounds),
+                    "systems": slim,
+                }
             )
         )
 
