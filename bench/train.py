@@ -778,6 +778,8 @@ def main() -> None:
         help="run every system R times in alternating order; ratios per round (neighbouring runs), then their median",
     )
     a = ap.parse_args()
+    if a.interleave < 0:
+        ap.error(f"--interleave {a.interleave}: give a number of steps per turn (>= 1), or 0 for one after another")
     a.steps = a.steps or (8 if a.quick else 30)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
     if a.worker:
