@@ -312,6 +312,7 @@ class Trainer:
         if self.on_phase is not None:
             self.on_phase("training", self.step / cfg.steps if cfg.steps else 0.0)
         first = True
+        seen = sum(res.tokens)  # tokens trained on so far (a resumed job's history included), then a running total
         while self.step < cfg.steps:
             if self.should_pause():
                 res.status, res.step = "paused", self.step
@@ -329,6 +330,7 @@ class Trainer:
             res.optim_times.append(self.last_stats.optim_s)
             res.optim_waits.append(self.last_stats.wait_s)
             res.tokens.append(self.last_tokens)
+            seen += self.last_tokens
             ema_tokens = self.last_tokens if ema is None else 0.8 * ema_tokens + 0.2 * self.last_tokens
             ema = dt if ema is None else 0.8 * ema + 0.2 * dt
             ev = None
@@ -354,7 +356,7 @@ class Trainer:
                         ema_tokens / ema if ema > 0 else 0.0,
                         ema * (cfg.steps - self.step),
                         ev,
-                        sum(res.tokens),
+                        seen,
                     )
                 )
             self._report_checkpoints()
