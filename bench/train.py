@@ -584,16 +584,21 @@ def _interleaved(systems: list[str], a: argparse.Namespace, init: Path) -> dict[
     outs: dict[str, list[str]] = {s: [] for s in systems}
     errs: dict[str, Any] = {}
     deadline = t0 + a.timeout * len(systems)
+    late: set[str] = set()
 
     def turn(s: str) -> bool:
-        """Reads ``s``'s output until it hands the CPU back (True) or exits (False)."""
+        """Reads ``s``'s output until it hands the CPU back (True) or exits (False; ended here past the deadline)."""
         p = procs[s]
         assert p.stdout is not None
         for line in p.stdout:
-            if line.rstrip("\n") == TURN:
-                return time.perf_counter() < deadline or _stop(p)
-            outs[s].append(line)
-        p.wait()
+            if line.rstrip("\n") != TURN:
+                outs[s].append(line)
+            elif time.perf_counter() < deadline:
+                return True
+            else:
+                late.add(s)
+                break
+        _stop(p)
         return False
 
     try:
@@ -621,15 +626,16 @@ def _interleaved(systems: list[str], a: argparse.Namespace, init: Path) -> dict[
         errs[s].seek(0)
         got[s] = _result(s, procs[s].returncode, "".join(outs[s]), errs[s].read(), time.perf_counter() - t0)
         errs[s].close()
+        if s in late:
+            got[s] = {"system": s, "error": f"ended: the systems ran past --timeout ({a.timeout:g} s each)"}
     return got
 
 
-def _stop(p: subprocess.Popen[str]) -> bool:
-    """Ends a worker still running (False: for ``turn``'s timeout path)."""
+def _stop(p: subprocess.Popen[str]) -> None:
+    """Ends a worker that is still running; waits for it either way."""
     if p.poll() is None:
         p.kill()
-        p.wait()
-    return False
+    p.wait()
 
 
 def _init_path(a: argparse.Namespace) -> Path:
