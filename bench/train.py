@@ -26,7 +26,9 @@ runs them, or with ``--baseline-malloc daemon`` under the same one. Every row na
 model (one at a time), then the workers take turns of N training steps each, round robin, one running while the
 others wait blocked, so every system's steps sample the host's speed over the same minutes. This 2-core VM's speed
 drifts by ±25 % over minutes, which one-after-another runs turn into ratio noise (SmolLM2, one-after-another rounds:
-2.33-3.25x PEFT fp32); the ratios of an interleaved round compare steps taken within seconds of each other.
+2.33-3.25x PEFT fp32); the ratios of an interleaved round compare steps taken within seconds of each other. That
+narrowed the bf16 ratio's spread over rounds (1.92-2.03x against 1.65-2.07x) but not the fp32 one's (2.53-2.99x):
+this host's phases also move PEFT's fp32 GEMMs against the bf16 ones within seconds (README, "Interleaved rounds").
 
 lorad's trainer does not compute a packed sequence's trailing padding (``packing.trim_tail``); the PEFT baselines get
 the packed batches whole, as Hugging Face computes them, or with ``--baseline-trim`` the same trimmed batches. Every
