@@ -71,11 +71,14 @@ class TorchFrozenLinear:
         y = x @ w.t() if self.bias is None else torch.addmm(self.bias, x, w.t())
         return y
 
-    def bf16_product(self, x: Tensor) -> Tensor:
+    def bf16_product(self, x: Tensor, *, out: Tensor | None = None) -> Tensor:
         """``x·Wᵀ`` as the bf16 GEMM returns it (bf16 operands, fp32 accumulation inside oneDNN, a bf16 result);
         only at forward precision bf16. ``forward(x)`` is ``widen`` of it, so a caller may keep this half-size tensor
-        and rebuild the output bit for bit later. A row or two (generation's tokens) run ``small_rows_bf16``."""
+        and rebuild the output bit for bit later. A row or two (generation's tokens) run ``small_rows_bf16``. With
+        ``out`` (a contiguous bf16 [rows, out_features]), the GEMM writes there, the same bits."""
         w = self._store["bf16"][0]
+        if out is not None:
+            return torch.mm(x.to(torch.bfloat16), w.t(), out=out)
         small = small_rows_bf16(x, w)
         return small if small is not None else torch.mm(x.to(torch.bfloat16), w.t())
 

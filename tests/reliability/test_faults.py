@@ -45,11 +45,11 @@ def test_backend_failing_mid_job_fails_the_job_cleanly(tmp_path: Path, tiny_llam
     calls = {"n": 0}
 
     def failing(name: str):
-        def call(self, x):
+        def call(self, x, **kw):
             calls["n"] += 1
             if calls["n"] >= 40:
                 raise RuntimeError("injected NPU fault: QNN graph execute returned 6031")
-            return real[name](self, x)
+            return real[name](self, x, **kw)
 
         return call
 

@@ -138,9 +138,11 @@ _ROW_MULTIPLE = 16
 # interleaved SmolLM2 steps: median -13.5 and -16.1 ms (16 pairs each). The softmax works on the bf16 block itself
 # (or, on the torch-ops path, on 16 widened rows at a time: 64-row fp32 chunks beside the block raised the peak from
 # 861 to 889-892 MB under tcmalloc).
-# The block's rows are padded to a multiple of 64, so a step allocates one of four logits sizes: padded to 16, the
-# size changed with nearly every step's labelled-token count and tcmalloc's spans of the old sizes stayed behind (peak
-# 900 vs 862 MB, 12-step bench runs at fixed bf16).
+# The logits block is allocated with its rows rounded up to a multiple of 64, so a step allocates one of four sizes:
+# allocated at a multiple of 16, the size changed with nearly every step's labelled-token count and tcmalloc's spans of
+# the old sizes stayed behind (peak 900 vs 862 MB, 12-step bench runs at fixed bf16). The GEMMs themselves run on the
+# rows rounded up to 16 only (_ROW_MULTIPLE, oneDNN's kernels per shape), writing into the block's first rows: at ~170
+# labelled rows, 176 instead of 192 (Zen 5, 2 threads: 29.7 -> 27.4 ms forward and 32.4 -> 30.4 ms input gradient).
 _BF16_HEAD_ROWS = 256
 _BF16_HEAD_ROW_MULTIPLE = 64
 
@@ -185,14 +187,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], block):
             hc, lb = h[s : s + block], labels[s : s + block]
             rows = hc.shape[0]
-            hp = _padded(hc, block, _ROW_MULTIPLE if bf16 is None else _BF16_HEAD_ROW_MULTIPLE)
+            hp = _padded(hc, block)
             if bf16 is None:
                 full = head.forward(hp)  # [padded, V] fp32; the padding rows are never read
                 total = total + softmax_xent_(full[:rows], lb, denom if dh is not None else None)
                 if dh is not None:
                     dh[s : s + rows] = head.input_grad(full)[:rows]  # a row's gradient reads its own row only
                 continue
-            prod = bf16.bf16_product(hp)  # [padded, V] bf16
+            # [padded, V] bf16, in a block allocated at a multiple of 64 rows (see _BF16_HEAD_ROW_MULTIPLE)
+            alloc = min(block, -(-rows // _BF16_HEAD_ROW_MULTIPLE) * _BF16_HEAD_ROW_MULTIPLE)
+            logits = hp.new_empty(alloc, bf16.out_features, dtype=torch.bfloat16)
+            prod = bf16.bf16_product(hp, out=logits[: hp.shape[0]])
             # loss, and the gradient rows written back into the block (the input-gradient GEMM's bf16 operand)
             total = total + softmax_xent_bf16_(prod[:rows], lb, denom if dh is not None else None)
             if dh is not None:

@@ -124,20 +124,30 @@ def test_a_bf16_head_multiplies_each_block_once_with_the_chunked_losss_numbers()
     head = make_frozen_linear(torch.randn(300, 32, generator=gen), None, backend="torch", precision="bf16")
     h = torch.randn(120, 32, generator=gen, requires_grad=True)
     labels = torch.randint(0, 300, (120,), generator=gen)
-    labels[:8] = -100  # 112 labelled rows: one block (softmax over 16 rows at a time); 64 + 48 chunk by chunk
+    labels[:10] = -100  # 110 labelled rows: one block (softmax over 16 rows at a time); 64 + 46 chunk by chunk
 
     class _Opaque:  # the same layer behind an object the loss cannot see through: the chunk-by-chunk path
         in_features, out_features = 32, 300
         forward, input_grad = head.forward, head.input_grad
 
     rows: list[int] = []
+    blocks: list[int] = []
     real = head.bf16_product
-    head.bf16_product = lambda x: rows.append(x.shape[0]) or real(x)  # type: ignore[method-assign]
+
+    def counted(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows.append(x.shape[0])
+        if out is not None:
+            blocks.append(out.untyped_storage().nbytes() // (300 * 2))
+        return real(x, out=out)
+
+    head.bf16_product = counted  # type: ignore[method-assign]
     loss = linear_cross_entropy(h, labels, head, chunk=64)
     (gh,) = torch.autograd.grad(loss, h)
-    assert rows == [128]  # padded to a multiple of 64 rows: four logits sizes a run, not one per labelled count
+    # the GEMM runs on the rows padded to 16, into a logits block allocated at a multiple of 64 rows: four block sizes
+    # a run, not one per labelled count
+    assert rows == [112] and blocks == [128]
     loss_ref = linear_cross_entropy(h, labels, _Opaque(), chunk=64)  # type: ignore[arg-type]
     (gr,) = torch.autograd.grad(loss_ref, h)
-    assert rows == [128, 64, 48]
+    assert rows == [112, 64, 48]
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gh, gr, rtol=1e-6, atol=1e-7)
