@@ -426,16 +426,27 @@ def lora_gate_up(prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, sc
 
 
 def lora_swiglu_forward(
-    prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float, want_bf16: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """``(silu(gate)·up, the same as bf16 or None)`` with gate and up as ``lora_gate_up`` gives them: one pass over
-    the bf16 products where the kernels run (gate and up exist a tile of rows at a time), else ``lora_gate_up`` and
-    ``swiglu_forward``."""
+    prods: Sequence[Tensor],
+    h: Tensor,
+    bs: Sequence[Tensor],
+    *,
+    scaling: float,
+    want_bf16: bool = False,
+    a_next: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(silu(gate)·up, the same as bf16 or None, its rank-space rows or None)`` with gate and up as ``lora_gate_up``
+    gives them: one pass over the bf16 products where the kernels run (gate and up exist a tile of rows at a time),
+    else ``lora_gate_up`` and ``swiglu_forward``. Given the next layer's A ``a_next`` [r, F] (down_proj's), the pass
+    also takes ``act·a_nextᵀ`` [R, r] while each tile is in cache, where the kernels run and F is a multiple of 16;
+    None otherwise (the caller's ``lowrank_rows`` then)."""
     ops = kernels()
     if ops is not None and _lora_ok(prods, h, bs):
-        act, actb = ops.lora_swiglu_fwd(*prods, h, *bs, float(scaling), want_bf16)
-        return act, (actb if want_bf16 else None)
-    return swiglu_forward(*lora_gate_up(prods, h, bs, scaling=scaling), want_bf16=want_bf16)
+        nxt = a_next is not None and a_next.dtype == torch.float32 and a_next.stride(1) == 1 and h.shape[0] > 0
+        nxt = nxt and prods[0].shape[1] % 16 == 0
+        act, actb, hn = ops.lora_swiglu_fwd(*prods, h, *bs, float(scaling), want_bf16, a_next if nxt else _NO_BIAS)
+        return act, (actb if want_bf16 else None), (hn if nxt else None)
+    act, actb = swiglu_forward(*lora_gate_up(prods, h, bs, scaling=scaling), want_bf16=want_bf16)
+    return act, actb, None
 
 
 def lora_swiglu_backward(
@@ -454,19 +465,22 @@ def lora_swiglu_backward(
 
 
 def lora_swiglu_backward_grads(
-    d_act: Tensor, prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], *, scaling: float
+    d_act: Tensor, prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor], g_next: Tensor, *, scaling: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
-    """``lora_swiglu_backward``'s bf16 ``[d_gate | d_up]`` and ``act``, with gate's and up's LoRA gradients taken in
-    the same pass while each tile of fp32 gradients is in cache (they are never written out): ``g`` [R, r_g + r_u] =
+    """``lora_swiglu_backward``'s bf16 ``[d_gate | d_up]``, with the LoRA gradients of gate, up and the layer after
+    them taken in the same pass while each tile of fp32 gradients and of ``act`` is in cache (neither is written out):
+    ``(d_gu_bf16, dA_next, g, dB_g, dB_u)`` with ``dA_next`` [r, F] = ``s·g_nextᵀ·act`` for the next layer's
+    (down_proj's) rank-space gradient rows ``g_next`` [R, r] (any strides), ``g`` [R, r_g + r_u] =
     ``[d_gate·B_g | d_up·B_u]``, and each ``dB`` [F, r] = ``s·d_upᵀ·h_u`` (gate likewise; a transposed view, as
     ``(h.t() @ dy).t()`` gives it). None where the kernels do not run this (no build, other operands, an intermediate
-    size that is not a multiple of 16): the caller then takes ``lora_swiglu_backward``'s fp32 gradients and the thin
-    products. The sums run in a fixed order whatever the thread count; they differ from MKL's by float rounding."""
+    size that is not a multiple of 16): the caller then takes ``lora_swiglu_backward``'s fp32 gradients and ``act``
+    and the thin products. The sums run in a fixed order whatever the thread count; they differ from MKL's by float
+    rounding."""
     ops = kernels()
-    if ops is None or not (_lora_ok(prods, h, bs) and _rows_ok(d_act)) or prods[0].shape[1] % 16:
+    if ops is None or not (_lora_ok(prods, h, bs) and _rows_ok(d_act)) or prods[0].shape[1] % 16 or not _fp32(g_next):
         return None
-    dgub, act, g, dbg_t, dbu_t = ops.lora_swiglu_bwd_grads(d_act, *prods, h, *bs, float(scaling))
-    return dgub, act, g, dbg_t.t(), dbu_t.t()
+    dgub, da_next, g, dbg_t, dbu_t = ops.lora_swiglu_bwd_grads(d_act, *prods, h, *bs, g_next, float(scaling))
+    return dgub, da_next, g, dbg_t.t(), dbu_t.t()
 
 
 def lora_out_grads(

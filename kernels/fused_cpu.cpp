@@ -482,17 +482,33 @@ __attribute__((noinline)) void lora_swiglu_tile(const LoraPair& p, int64_t r0, f
   }
 }
 
-// act = silu(gate)·up [R, F] with gate and up rebuilt from their bf16 products and LoRA terms, and (when asked) act as
-// bfloat16; the second tensor is empty otherwise. Gate and up exist only a tile of rows at a time.
-std::tuple<at::Tensor, at::Tensor> lora_swiglu_fwd(const at::Tensor& pg, const at::Tensor& pu, const at::Tensor& h,
-                                                   const at::Tensor& bg, const at::Tensor& bu, double s,
-                                                   bool want_bf16) {
+void tile_row_dots(const float* d, int64_t ld, int64_t nr, const float* bT, int64_t ldb, int64_t rank, int64_t F,
+                   float* out, int64_t ldo);  // below
+
+// act = silu(gate)·up [R, F] with gate and up rebuilt from their bf16 products and LoRA terms, (when asked) act as
+// bfloat16, and (given the next layer's A, a_next [rn, F] with contiguous columns, F a multiple of 16) its rank-space
+// rows h_next = act·a_nextᵀ [R, rn] while each tile of act is in cache: down_proj's h, which lowrank_rows took in a
+// pass of its own (92 -> ~40 us a SmolLM2 layer at 224 rows, Zen 5). The second and third tensors are empty where not
+// asked. Gate and up exist only a tile of rows at a time.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_swiglu_fwd(const at::Tensor& pg, const at::Tensor& pu,
+                                                               const at::Tensor& h, const at::Tensor& bg,
+                                                               const at::Tensor& bu, double s, bool want_bf16,
+                                                               const at::Tensor& a_next) {
   const LoraPair p = lora_pair(pg, pu, h, bg, bu, s);
   const int64_t R = p.R, F = p.F, tiles = (R + kTileRows - 1) / kTileRows;
+  const bool next = a_next.numel() > 0;
+  TORCH_CHECK(!next || (a_next.dim() == 2 && a_next.size(1) == F && a_next.scalar_type() == at::kFloat &&
+                        a_next.stride(1) == 1 && F % 16 == 0),
+              "a_next must be a float32 [r, ", F, "] matrix with contiguous columns (", F,
+              " a multiple of 16), got ", a_next.sizes(), " ", a_next.scalar_type());
+  const int64_t rn = next ? a_next.size(0) : 0, ldn = next ? a_next.stride(0) : 0;
   at::Tensor act = at::empty({R, F}, h.options());
   at::Tensor actb = at::empty({want_bf16 ? R : 0, F}, h.options().dtype(at::kBFloat16));
+  at::Tensor hn = at::empty({next ? R : 0, rn}, h.options());
   float* ap = act.data_ptr<float>();
   uint16_t* bp = want_bf16 ? bf16_data(actb) : nullptr;
+  const float* anp = next ? a_next.data_ptr<float>() : nullptr;
+  float* hnp = next ? hn.data_ptr<float>() : nullptr;
   at::parallel_for(0, tiles, std::max<int64_t>(1, grain_rows(2 * F) / kTileRows), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(2 * kTileRows * p.Fp));
     for (int64_t t = begin; t < end; ++t) {
@@ -504,9 +520,10 @@ std::tuple<at::Tensor, at::Tensor> lora_swiglu_fwd(const at::Tensor& pg, const a
 #pragma omp simd
         for (int64_t c = 0; c < nr * F; ++c) br[c] = to_bf16(tile_act[c]);
       }
+      if (anp != nullptr) tile_row_dots(tile_act, F, nr, anp, ldn, rn, F, hnp + r0 * rn, rn);
     }
   });
-  return {act, actb};
+  return {act, actb, hn};
 }
 
 // The backward of lora_swiglu_fwd for d_act [R, F]: [d_gate | d_up] [R, 2F] in float32 and (when asked) bfloat16, as
@@ -563,9 +580,10 @@ void add_block_partials(const float* part, int64_t blocks, int64_t stride, int64
 
 // acc[k][c] += Σ_i hk[i][k]·d[i][c] for the tile's rows i < nr (hk: kTileRows rows of `rank` floats, d: rows ld
 // floats apart) and columns c < F, a multiple of 16; acc rows are lda floats apart. The rows' 16 columns are loaded
-// once and feed every k.
+// once and feed every k. With `first` (a block's first tile), acc is written instead: its partials need no zeroing
+// pass (46 us of at::zeros a SmolLM2 MLP backward, Zen 5).
 void accumulate_tile_outer(const float* d, int64_t ld, int64_t nr, const float* hk, int64_t rank, float* acc,
-                           int64_t lda, int64_t F) {
+                           int64_t lda, int64_t F, bool first) {
   for (int64_t c = 0; c < F; c += 16) {
     v16 dv[kTileRows];
     for (int64_t i = 0; i < kTileRows; ++i) {
@@ -576,7 +594,7 @@ void accumulate_tile_outer(const float* d, int64_t ld, int64_t nr, const float* 
       }
     }
     for (int64_t k = 0; k < rank; ++k) {
-      v16 a = vload(acc + k * lda + c);
+      v16 a = first ? v16{} : vload(acc + k * lda + c);
       for (int64_t i = 0; i < nr; ++i) a += hk[i * rank + k] * dv[i];
       vstore(acc + k * lda + c, a);
     }
@@ -627,38 +645,44 @@ void tile_row_dots(const float* d, int64_t ld, int64_t nr, const float* bT, int6
   }
 }
 
-// lora_swiglu_bwd's bf16 [d_gate | d_up] and act, with gate's and up's LoRA gradients from the same pass, while each
-// tile's fp32 gradients are in cache (they are never written out): g [R, rg + ru] = [d_gate·B_g | d_up·B_u] (the
-// rank-space gradient the input gradient and dA multiply) and dB_gᵀ [rg, F] = s·Σ_rows h_g ⊗ d_gate, dB_uᵀ likewise.
-// F must be a multiple of 16.
+// lora_swiglu_bwd's bf16 [d_gate | d_up], with the LoRA gradients of gate, up and down from the same pass, while each
+// tile's fp32 gradients and act are in cache (they are never written out): g [R, rg + ru] = [d_gate·B_g | d_up·B_u]
+// (the rank-space gradient the input gradient and dA multiply), dB_gᵀ [rg, F] = s·Σ_rows h_g ⊗ d_gate, dB_uᵀ likewise,
+// and down's dA [rd, F] = s·Σ_rows g_d ⊗ act for down's rank-space rows g_d [R, rd] (any strides), where a thin
+// [rd, R]·[R, F] product read act again (0.19 ms a SmolLM2 layer at 224 rows, MKL, Zen 5).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd_grads(
     const at::Tensor& d_act, const at::Tensor& pg, const at::Tensor& pu, const at::Tensor& h, const at::Tensor& bg,
-    const at::Tensor& bu, double s_d) {
+    const at::Tensor& bu, const at::Tensor& g_d, double s_d) {
   const LoraPair p = lora_pair(pg, pu, h, bg, bu, s_d);
   check_rows(d_act, "d_act");
   TORCH_CHECK(d_act.size(0) == p.R && d_act.size(1) == p.F, "d_act has shape ", d_act.sizes(), ", expected [", p.R,
               ", ", p.F, "]");
   TORCH_CHECK(p.F % 16 == 0, "the intermediate size must be a multiple of 16, got ", p.F);
-  const int64_t R = p.R, F = p.F, rg = p.rg, ru = p.ru, rk = rg + ru, ldd = d_act.stride(0);
+  TORCH_CHECK(g_d.dim() == 2 && g_d.size(0) == p.R && g_d.size(1) > 0 && g_d.scalar_type() == at::kFloat,
+              "g_d must be a float32 [", p.R, ", r] matrix, got ", g_d.sizes(), " ", g_d.scalar_type());
+  const int64_t R = p.R, F = p.F, rg = p.rg, ru = p.ru, rk = rg + ru, rd = g_d.size(1), ldd = d_act.stride(0);
+  const int64_t gds0 = g_d.stride(0), gds1 = g_d.stride(1), rall = rk + rd;
   const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
   at::Tensor dgub = at::empty({R, 2 * F}, h.options().dtype(at::kBFloat16));
-  at::Tensor act = at::empty({R, F}, h.options());
   at::Tensor g = at::empty({R, rk}, h.options());
-  at::Tensor part = at::zeros({blocks, rk, F}, h.options());  // each block's Σ h ⊗ d: gate's ranks, then up's
+  at::Tensor part = at::empty({blocks, rall, F}, h.options());  // each block's Σ h ⊗ d: gate's, up's, down's ranks
   const float* dp = d_act.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
+  const float* gdp = g_d.data_ptr<float>();
   float* gp = g.data_ptr<float>();
   float* pp = part.data_ptr<float>();
   uint16_t* bp = bf16_data(dgub);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(2 * kTileRows * p.Fp));
     std::vector<float> dgu(static_cast<size_t>(kTileRows * 2 * F));  // the tile's [d_gate | d_up] rows
+    std::vector<float> act(static_cast<size_t>(kTileRows * F));  // the tile's act rows
     std::vector<float> hg(static_cast<size_t>(kTileRows * rg)), hu(static_cast<size_t>(kTileRows * ru));
+    std::vector<float> hd(static_cast<size_t>(kTileRows * rd));
     for (int64_t blk = begin; blk < end; ++blk) {
-      float* acc = pp + blk * rk * F;
+      float* acc = pp + blk * rall * F;
       for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
         const int64_t nr = std::min(kTileRows, R - r0);
-        lora_swiglu_tile(p, r0, buf.data(), buf.data() + kTileRows * p.Fp, ap + r0 * F);
+        const bool first = r0 == blk * kGradBlockRows;
+        lora_swiglu_tile(p, r0, buf.data(), buf.data() + kTileRows * p.Fp, act.data());
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t r = r0 + i;
           float* row = dgu.data() + i * 2 * F;
@@ -667,18 +691,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swig
           const float* hr = p.h + r * p.hs0;
           for (int64_t k = 0; k < rg; ++k) hg[static_cast<size_t>(i * rg + k)] = hr[k * p.hs1];
           for (int64_t k = 0; k < ru; ++k) hu[static_cast<size_t>(i * ru + k)] = hr[(rg + k) * p.hs1];
+          for (int64_t k = 0; k < rd; ++k) hd[static_cast<size_t>(i * rd + k)] = gdp[r * gds0 + k * gds1];
         }
         tile_row_dots(dgu.data(), 2 * F, nr, p.bgT.data(), p.Fp, rg, F, gp + r0 * rk, rk);
         tile_row_dots(dgu.data() + F, 2 * F, nr, p.buT.data(), p.Fp, ru, F, gp + r0 * rk + rg, rk);
-        accumulate_tile_outer(dgu.data(), 2 * F, nr, hg.data(), rg, acc, F, F);
-        accumulate_tile_outer(dgu.data() + F, 2 * F, nr, hu.data(), ru, acc + rg * F, F, F);
+        accumulate_tile_outer(dgu.data(), 2 * F, nr, hg.data(), rg, acc, F, F, first);
+        accumulate_tile_outer(dgu.data() + F, 2 * F, nr, hu.data(), ru, acc + rg * F, F, F, first);
+        accumulate_tile_outer(act.data(), F, nr, hd.data(), rd, acc + rk * F, F, F, first);
       }
     }
   });
-  at::Tensor dbT = at::empty({rk, F}, h.options());
+  at::Tensor dbT = at::empty({rall, F}, h.options());
   float* op = dbT.data_ptr<float>();
-  add_block_partials(pp, blocks, rk * F, rk * F, s_d, op);
-  return {dgub, act, g, dbT.narrow(0, 0, rg), dbT.narrow(0, rg, ru)};
+  add_block_partials(pp, blocks, rall * F, rall * F, s_d, op);
+  return {dgub, dbT.narrow(0, rk, rd), g, dbT.narrow(0, 0, rg), dbT.narrow(0, rg, ru)};
 }
 
 // The LoRA gradients of layers from their output gradients dys[i] [R, out_i] (float32, contiguous columns, out_i a
@@ -712,7 +738,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::T
   const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
   at::Tensor packed = at::empty({want_bf16 ? R : 0, cols}, h.options().dtype(at::kBFloat16));
   at::Tensor g = at::empty({R, rk}, h.options());
-  at::Tensor part = at::zeros({blocks, rk * cols}, h.options());  // per block: member i's [r_i, out_i] at rk0·cols..
+  at::Tensor part = at::empty({blocks, rk * cols}, h.options());  // per block: member i's [r_i, out_i] at rk0·cols..
   std::vector<const float*> dp(n);
   std::vector<int64_t> ld(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -745,7 +771,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::T
           for (int64_t t = 0; t < nr; ++t) {
             for (int64_t k = 0; k < r; ++k) hk[static_cast<size_t>(t * r + k)] = hp[(r0 + t) * hs0 + (rk0[i] + k) * hs1];
           }
-          accumulate_tile_outer(d, ldi, nr, hk.data(), r, pp + blk * rk * cols + rk0[i] * cols, out, out);
+          accumulate_tile_outer(d, ldi, nr, hk.data(), r, pp + blk * rk * cols + rk0[i] * cols, out, out,
+                                r0 == blk * kGradBlockRows);
         }
       }
     }
@@ -774,7 +801,7 @@ at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const a
               "g must be a float32 [", R, ", k] matrix, got ", g.sizes(), " ", g.scalar_type());
   const int64_t k = g.size(1), gs0 = g.stride(0), gs1 = g.stride(1);
   const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
-  at::Tensor part = at::zeros({blocks, k * C}, x.options());
+  at::Tensor part = at::empty({blocks, k * C}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* rp = rstd.data_ptr<float>();
@@ -790,7 +817,7 @@ at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const a
           normed_row(xp + (r0 + i) * ldx, rp[r0 + i], wl, y.data() + i * C, C);
           for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
         }
-        accumulate_tile_outer(y.data(), C, nr, hk.data(), k, pp + blk * k * C, C, C);
+        accumulate_tile_outer(y.data(), C, nr, hk.data(), k, pp + blk * k * C, C, C, r0 == blk * kGradBlockRows);
       }
     }
   });
@@ -1911,6 +1938,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_f32_bwd(const at
   });
   return {dq, dk, dv};
 }
+
 }  // namespace
 
 TORCH_LIBRARY(lorad_fused, m) {
@@ -1920,13 +1948,14 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("rms_norm_a_grads(Tensor x, Tensor rstd, Tensor w, Tensor g, float s) -> Tensor", &rms_norm_a_grads);
   m.def("swiglu_fwd(Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_fwd);
   m.def("swiglu_bwd(Tensor d_act, Tensor gate, Tensor up, bool want_bf16) -> (Tensor, Tensor)", &swiglu_bwd);
-  m.def("lora_swiglu_fwd(Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, bool want_bf16) -> (Tensor, "
-        "Tensor)",
+  m.def("lora_swiglu_fwd(Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, bool want_bf16, "
+        "Tensor a_next) -> (Tensor, Tensor, Tensor)",
         &lora_swiglu_fwd);
   m.def("lora_swiglu_bwd(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s, "
         "bool want_bf16) -> (Tensor, Tensor, Tensor)",
         &lora_swiglu_bwd);
-  m.def("lora_swiglu_bwd_grads(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, float s) -> "
+  m.def("lora_swiglu_bwd_grads(Tensor d_act, Tensor pg, Tensor pu, Tensor h, Tensor bg, Tensor bu, Tensor g_d, "
+        "float s) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)",
         &lora_swiglu_bwd_grads);
   m.def("lora_out_grads(Tensor[] dys, Tensor h, Tensor[] bs, float s, bool want_bf16) -> (Tensor, Tensor, Tensor[])",

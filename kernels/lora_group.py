@@ -83,14 +83,16 @@ def _joint_product(joint: Tensor, x2: Tensor, x2_bf16: Tensor | None = None) -> 
 
 
 def finish_forward(
-    members: Sequence[LoRALinear], x2: Tensor, frozen: Sequence[Future[Tensor] | Tensor]
+    members: Sequence[LoRALinear], x2: Tensor, frozen: Sequence[Future[Tensor] | Tensor], *, h: Tensor | None = None
 ) -> tuple[list[Tensor], Tensor]:
     """Each member's ``frozen(x) + s·(x·A_iᵀ)·B_iᵀ`` [T, out_i] and the stacked ``h = x·[A_1; …]ᵀ`` [T, Σr].
 
     ``frozen`` holds each member's frozen output or the future of it, or its bf16 product (``submit_forward``), which
-    ``_add_lora`` widens with the LoRA term in one pass.
+    ``_add_lora`` widens with the LoRA term in one pass. ``h``, when the pass that wrote ``x2`` also took it
+    (``fused.lora_swiglu_forward``), is used as it is.
     """
-    h = lora_rows(members, x2)
+    if h is None:
+        h = lora_rows(members, x2)
     ys = [
         _add_lora(m, f.result() if isinstance(f, Future) else f, h, o)
         for m, f, o in zip(members, frozen, _offsets(members), strict=True)

@@ -23,7 +23,10 @@ fp32 gradients is in cache, so ``[d_gate | d_up]`` never exists in fp32 (only it
 four thin MKL products a layer, each a pass over half of it, are gone (``lora_group.input_grad_from_rank_rows``). Per
 layer (T = 256, 2 threads, AMX Xeon) the pass and those products took 664 µs, the new pass 522; a SmolLM2 step -12.0,
 -2.7 and -10.4 ms (median of 14 steps, one process per commit, one fixed batch) and -5.4 and -1.5 ms (20 interleaved
-pairs in one process, twice).
+pairs in one process, twice). That pass also takes down_proj's dA from the ``act`` rows it rebuilds (``act`` is never
+written out) and the forward's pass takes down_proj's ``h = act·A_dᵀ`` as it writes ``act``: per SmolLM2 layer at 224
+rows (Zen 5, 2 threads) the two passes, a thin MKL product and a ``lowrank_rows`` pass took 1.23 ms, the two passes
+now 0.89.
 """
 
 from __future__ import annotations
@@ -82,12 +85,16 @@ class _LoRASwiGLU(torch.autograd.Function):
         if prods is not None:  # gate and up stay bf16 products plus LoRA terms, never fp32 tensors
             h_gu = lora_rows((gate_l, up_l), x2)
             bs = _lora_bs(gate_l, up_l)
-            act, act_b = lora_swiglu_forward(prods, h_gu, bs, scaling=gate_l.scaling, want_bf16=want_act_b)
+            a_d = down_l.lora_A.detach()
+            act, act_b, h_d = lora_swiglu_forward(
+                prods, h_gu, bs, scaling=gate_l.scaling, want_bf16=want_act_b, a_next=a_d
+            )
             kept = prods
         else:
             (gate, up), h_gu, kept = forward_keeping_products((gate_l, up_l), x2, x2b)
             act, act_b = swiglu_forward(gate, up, want_bf16=want_act_b)
-        (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act, act_b))
+            h_d = None
+        (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act, act_b), h=h_d)
         ctx.save_for_backward(h_gu, h_d, *kept, *saved)
         ctx.layers, ctx.norm, ctx.in_shape, ctx.kept = layers, norm, x.shape, len(kept)
         ctx.products = prods is not None
@@ -103,7 +110,7 @@ class _LoRASwiGLU(torch.autograd.Function):
         gu_stacked = stacked((gate_l, up_l))
         want_b = need_x and gu_stacked  # the stacked gate/up GEMM takes [d_gate | d_up] in bf16
         if ctx.products:
-            # d_act first (it needs no act), then one pass: [d_gate | d_up], its bf16 copy and act for down's dA
+            # d_act first (it needs no act), then one pass: [d_gate | d_up], its bf16 copy and, from act, down's dA
             d_act, g_d, (d_b_d,) = backward_parts((down_l,), h_d, [dout2], need_x=True)
             assert d_act is not None
             bs = _lora_bs(gate_l, up_l)
@@ -111,10 +118,9 @@ class _LoRASwiGLU(torch.autograd.Function):
             # gradients while each tile is in cache, and their fp32 gradients never exist
             grads = None
             if gu_stacked:
-                grads = lora_swiglu_backward_grads(d_act, kept, h_gu, bs, scaling=gate_l.scaling)
+                grads = lora_swiglu_backward_grads(d_act, kept, h_gu, bs, g_d.t(), scaling=gate_l.scaling)
             if grads is not None:
-                gu_bf16, act, g_rows, d_b_g, d_b_u = grads
-                (d_a_d,) = a_grads((down_l,), g_d, act)
+                gu_bf16, d_a_d, g_rows, d_b_g, d_b_u = grads
                 d_a_g, d_a_u = rows_a_grads((gate_l, up_l), ctx.norm, saved, g_rows.t())
                 dx_gu = input_grad_from_rank_rows((gate_l, up_l), g_rows, gu_bf16) if need_x else None
                 dx_in = None if dx_gu is None else norm_input_grad(ctx.norm, saved, dx_gu, ctx.in_shape)

@@ -100,10 +100,10 @@ def _lora_operands(rows: int = 67, cols: int = 100, rg: int = 3, ru: int = 5, se
 def test_lora_swiglu_matches_torch_and_gives_the_backward_the_forwards_act(ops: object) -> None:
     t = _lora_operands()
     prods, bs, kw = (t["pg"], t["pu"]), (t["bg"], t["bu"]), {"scaling": t["s"]}
-    act, act_b = fused.lora_swiglu_forward(prods, t["h"], bs, **kw, want_bf16=True)
+    act, act_b, _ = fused.lora_swiglu_forward(prods, t["h"], bs, **kw, want_bf16=True)
     d_gu, d_gu_b, act_again = fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw, want_bf16=True)
     with fused.disabled():
-        act_ref, _ = fused.lora_swiglu_forward(prods, t["h"], bs, **kw)
+        act_ref, _, _ = fused.lora_swiglu_forward(prods, t["h"], bs, **kw)
         d_gu_ref, _, _ = fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw)
     gate = (t["pg"].float() + t["s"] * t["h"][:, :3] @ t["bg"].t()).requires_grad_()
     up = (t["pu"].float() + t["s"] * t["h"][:, 3:] @ t["bu"].t()).requires_grad_()
@@ -118,31 +118,57 @@ def test_lora_swiglu_matches_torch_and_gives_the_backward_the_forwards_act(ops: 
     assert fused.lora_swiglu_backward(t["d"], prods, t["h"], bs, **kw)[1] is None
 
 
-def test_lora_swiglu_backward_takes_gate_and_ups_lora_gradients_in_its_pass(ops: object) -> None:
+def test_lora_swiglu_forward_takes_the_next_layers_rank_rows_in_its_pass(ops: object) -> None:
+    t = _lora_operands(cols=96)
+    prods, bs = (t["pg"], t["pu"]), (t["bg"], t["bu"])
+    a_next = torch.randn(6, 96, generator=torch.Generator().manual_seed(3))
+    act, act_b, h_next = fused.lora_swiglu_forward(prods, t["h"], bs, scaling=t["s"], want_bf16=True, a_next=a_next)
+    act_alone, _, none = fused.lora_swiglu_forward(prods, t["h"], bs, scaling=t["s"])
+    assert none is None and torch.equal(act, act_alone)  # the same act, with or without the rank rows
+    assert act_b is not None and torch.equal(act_b, act.to(torch.bfloat16))
+    assert h_next is not None and h_next.shape == (67, 6)
+    assert _rel(h_next, act.double() @ a_next.double().t()) < 1e-6
+    again = fused.lora_swiglu_forward(prods, t["h"], bs, scaling=t["s"], a_next=a_next)[2]
+    assert again is not None and torch.equal(again, h_next)
+    w = _lora_operands()  # 100 columns: no multiple of 16, the caller's lowrank_rows then
+    assert fused.lora_swiglu_forward((w["pg"], w["pu"]), w["h"], (w["bg"], w["bu"]), scaling=1.0,
+                                     a_next=torch.randn(6, 100))[2] is None  # fmt: skip
+    with fused.disabled():
+        assert fused.lora_swiglu_forward(prods, t["h"], bs, scaling=t["s"], a_next=a_next)[2] is None
+    with pytest.raises(RuntimeError, match=r"a_next must be a float32 \[r, 96\] matrix"):
+        ops.lora_swiglu_fwd(*prods, t["h"], *bs, 1.0, False, a_next[:, :95])  # type: ignore[attr-defined]
+
+
+def test_lora_swiglu_backward_takes_gate_ups_and_downs_lora_gradients_in_its_pass(ops: object) -> None:
     t = _lora_operands(cols=96)  # a multiple of 16, no multiple of 32 (the tiles' padded width is wider)
     prods, h, bs, s = (t["pg"], t["pu"]), t["h"], (t["bg"], t["bu"]), t["s"]
-    got = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, scaling=s)
+    g_next = torch.randn(6, 67, generator=torch.Generator().manual_seed(4)).t()  # a transposed view, as MKL gives it
+    got = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, g_next, scaling=s)
     assert got is not None
-    d_gu_b, act, g, db_g, db_u = got
+    d_gu_b, da_next, g, db_g, db_u = got
     d_gu, d_gu_b_ref, act_ref = fused.lora_swiglu_backward(t["d"], prods, h, bs, scaling=s, want_bf16=True)
-    assert torch.equal(act, act_ref) and d_gu_b_ref is not None and torch.equal(d_gu_b, d_gu_b_ref)
+    assert d_gu_b_ref is not None and torch.equal(d_gu_b, d_gu_b_ref)
+    assert da_next.shape == (6, 96) and _rel(da_next, s * g_next.double().t() @ act_ref.double()) < 1e-6
     dg, du = d_gu.double()[:, :96], d_gu.double()[:, 96:]
     hg, hu = h.double()[:, :3], h.double()[:, 3:]
     assert g.shape == (67, 8)
     assert _rel(g, torch.cat([dg @ t["bg"].double(), du @ t["bu"].double()], 1)) < 1e-6
     assert db_g.shape == (96, 3) and db_u.shape == (96, 5)
     assert _rel(db_g, s * dg.t() @ hg) < 1e-6 and _rel(db_u, s * du.t() @ hu) < 1e-6
-    again = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, scaling=s)
+    again = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, g_next, scaling=s)
     assert again is not None and all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
     # what the kernel does not take is the caller's to compute the usual way
     w = _lora_operands()  # 100 columns: no multiple of 16
-    assert fused.lora_swiglu_backward_grads(w["d"], (w["pg"], w["pu"]), w["h"], (w["bg"], w["bu"]), scaling=1.0) is None
+    wb = (w["bg"], w["bu"])
+    assert fused.lora_swiglu_backward_grads(w["d"], (w["pg"], w["pu"]), w["h"], wb, g_next, scaling=1.0) is None
     with fused.disabled():
-        assert fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, scaling=s) is None
+        assert fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, g_next, scaling=s) is None
     with pytest.raises(RuntimeError, match="the intermediate size must be a multiple of 16, got 100"):
-        ops.lora_swiglu_bwd_grads(w["d"], w["pg"], w["pu"], w["h"], w["bg"], w["bu"], 1.0)  # type: ignore[attr-defined]
+        ops.lora_swiglu_bwd_grads(w["d"], w["pg"], w["pu"], w["h"], *wb, g_next, 1.0)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match=r"d_act has shape \[67, 95\], expected \[67, 96\]"):
-        ops.lora_swiglu_bwd_grads(t["d"][:, :95], *prods, h, *bs, 1.0)  # type: ignore[attr-defined]
+        ops.lora_swiglu_bwd_grads(t["d"][:, :95], *prods, h, *bs, g_next, 1.0)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"g_d must be a float32 \[67, r\] matrix, got \[66, 6\]"):
+        ops.lora_swiglu_bwd_grads(t["d"], *prods, h, *bs, g_next[:66], 1.0)  # type: ignore[attr-defined]
 
 
 def test_lora_out_grads_match_the_thin_products_and_the_bf16_copy(ops: object) -> None:
@@ -240,8 +266,8 @@ def vector_cases(ops, torch):
         ops.widen_lowrank(prod, hh, m, torch.empty(0), 1.75),
         packed.float(), rows, *dbs,
         ops.rms_norm_a_grads(x, rstd, w, h, 0.5),
-        *[t.float() for t in ops.lora_swiglu_bwd_grads(d, pg, pu, h, r(96, 8), r(96, 4), 1.5)],
-        *[t.float() for t in ops.lora_swiglu_fwd(pg, pu, h, r(96, 8), r(96, 4), 1.5, True)],
+        *[t.float() for t in ops.lora_swiglu_bwd_grads(d, pg, pu, h, r(96, 8), r(96, 4), r(6, 133).t(), 1.5)],
+        *[t.float() for t in ops.lora_swiglu_fwd(pg, pu, h, r(96, 8), r(96, 4), 1.5, True, r(6, 96))],
     ]
 """
 
@@ -264,7 +290,7 @@ def test_a_build_for_narrower_vectors_computes_what_the_native_one_does(ops: obj
     exec(_VECTOR_CASES, scope)  # the same text the child ran
     native = scope["vector_cases"](ops, torch)
     narrow = torch.load(out)
-    assert len(native) == len(narrow) == 19
+    assert len(native) == len(narrow) == 20
     for i, (a, b) in enumerate(zip(native, narrow, strict=True)):
         assert a.shape == b.shape and _rel(b, a) < 1e-5, i
 
@@ -491,7 +517,10 @@ def test_results_do_not_depend_on_the_thread_count(ops: object) -> None:
                     *fused.rms_norm_forward(t["x"], t["w"], 1e-6, want_bf16=True),
                     *fused.swiglu_backward(t["d"], t["gate"], t["up"], want_bf16=True),
                     *fused.lora_swiglu_backward(lo["d"], *lora_args, scaling=1.5, want_bf16=True),
-                    *(fused.lora_swiglu_backward_grads(lo["d"], *lora_args, scaling=1.5) or ()),
+                    *(fused.lora_swiglu_backward_grads(lo["d"], *lora_args, lo["h"][:, :5], scaling=1.5) or ()),
+                    *fused.lora_swiglu_forward(
+                        *lora_args, scaling=1.5, want_bf16=True, a_next=lo["bg"].t()[:5].contiguous()
+                    ),
                     fused.widen_lowrank(lr["prod"], lr["h"], lr["m"], scaling=lr["s"], bias=lr["bias"]),
                 )
             )
@@ -514,11 +543,11 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
         k.swiglu_bwd(t["d"], t["gate"].t(), t["up"], False)  # type: ignore[union-attr]
     lo = _lora_operands()
     with pytest.raises(RuntimeError, match="gate and up products must be bfloat16"):
-        k.lora_swiglu_fwd(lo["pg"].float(), lo["pu"], lo["h"], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+        k.lora_swiglu_fwd(lo["pg"].float(), lo["pu"], lo["h"], lo["bg"], lo["bu"], 1.0, False, torch.empty(0))  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=r"lora_B must be a float32 \[100, r\] matrix"):
-        k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"], lo["bg"][:7], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+        k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"], lo["bg"][:7], lo["bu"], 1.0, False, torch.empty(0))  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=r"h must be a float32 \[67, 8\] matrix"):
-        k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"][:, :7], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
+        k.lora_swiglu_fwd(lo["pg"], lo["pu"], lo["h"][:, :7], lo["bg"], lo["bu"], 1.0, False, torch.empty(0))  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match=r"d_act has shape \[67, 99\], expected \[67, 100\]"):
         k.lora_swiglu_bwd(lo["d"][:, :99], lo["pg"], lo["pu"], lo["h"], lo["bg"], lo["bu"], 1.0, False)  # type: ignore[union-attr]
     lr = _lowrank_operands()
@@ -544,7 +573,7 @@ def test_kernels_reject_bad_operands_by_name(ops: object) -> None:
     torch.testing.assert_close(act, torch.nn.functional.silu(t["gate"].t()) * t["up"].t())
     prods_t = (lo["pg"].t().contiguous().t(), lo["pu"].t().contiguous().t())  # the same values, columns strided
     bs = (lo["bg"], lo["bu"])
-    act, _ = fused.lora_swiglu_forward(prods_t, lo["h"], bs, scaling=1.0)
+    act, _, _ = fused.lora_swiglu_forward(prods_t, lo["h"], bs, scaling=1.0)
     torch.testing.assert_close(act, fused.lora_swiglu_forward((lo["pg"], lo["pu"]), lo["h"], bs, scaling=1.0)[0])
 
 
