@@ -500,6 +500,56 @@ def lora_out_grads(
     return (packed if want_bf16 else None), g, [t.t() for t in dbs_t]
 
 
+def lora_mlp_forward(  # noqa: PLR0917 (the node's operands, positionally as the op takes them)
+    x: Tensor,
+    norm: tuple[Tensor, float],
+    w_gu: Tensor,
+    a_gu: Tensor,
+    bs: Sequence[Tensor],
+    w_d: Tensor,
+    a_d: Tensor,
+    b_d: Tensor,
+    *,
+    scaling: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """The LoRA SwiGLU node's forward in one call (server/engine/models/mlp.py, its common case): ``(out, rstd, the
+    gate/up bf16 product, h_gu, h_d)`` for the norm's input rows ``x`` [R, C]; the same kernels and GEMMs as the node's
+    Python composition, in its order, so the same bits. None where the kernels do not run."""
+    ops = kernels()
+    if ops is None:
+        return None
+    w, eps = norm
+    got: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] = ops.lora_mlp_fwd(
+        x, w.contiguous(), float(eps), w_gu, a_gu, *bs, w_d, a_d, b_d, float(scaling)
+    )
+    return got
+
+
+def lora_mlp_backward(  # noqa: PLR0917
+    dout: Tensor,
+    saved: Sequence[Tensor],
+    norm: tuple[Tensor, float],
+    w_gu: Tensor,
+    bs: Sequence[Tensor],
+    w_d: Tensor,
+    a_d: Tensor,
+    b_d: Tensor,
+    *,
+    scaling: float,
+    need_x: bool,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``lora_mlp_forward``'s backward from float32 rows ``dout`` [R, C] and what it saved (``x``, ``rstd``, the
+    product, ``h_gu``, ``h_d``, ``a_gu``): ``(dx or None, dA_gu [rg + ru, C], dB_g, dB_u, dA_d, dB_d)``."""
+    ops = kernels()
+    assert ops is not None, "lora_mlp_backward without the kernels that ran its forward"
+    x, rstd, prod, h_gu, h_d, a_gu = saved
+    w = norm[0].contiguous()
+    dx, da_gu, dbg, dbu, da_d, db_d = ops.lora_mlp_bwd(
+        dout, x, rstd, w, w_gu, a_gu, *bs, prod, h_gu, w_d, a_d, b_d, h_d, float(scaling), need_x
+    )
+    return (dx if need_x else None), da_gu, dbg, dbu, da_d, db_d
+
+
 def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, *, bf16: bool) -> Tensor:
     """RoPE of x [B, T, H, D] (fp32) by the [T, D] tables into contiguous [B, H, T, D] rows, fp32 or (``bf16``) rounded
     to bf16 once: ``y1 = x1·c1 − x2·s1``, ``y2 = x2·c2 + x1·s2`` over the halves of D, computed in fp32."""

@@ -15,7 +15,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -1939,6 +1941,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_f32_bwd(const at
   return {dq, dk, dv};
 }
 
+// ---- the LoRA SwiGLU node in two calls --------------------------------------------------------------------------
+// server/engine/models/mlp.py's node for its common case (gate/up stacked bf16 GEMMs, down a bf16 GEMM, no biases,
+// the block's RMSNorm inside): the same kernels and ATen GEMMs on the same operands, in the same order, as its Python
+// composition (lora_group.py), so the same bits, without ~30 Python calls and ~20 dispatches from Python per
+// direction. x [R, C] is the norm's input; w_gu [2F, C] and w_d [C, F] are the bf16 weights; a_gu = [A_g; A_u].
+
+// (out [R, C], rstd [R, 1], the gate/up product [R, 2F] bf16, h_gu [R, rg + ru], h_d [R, rd])
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_mlp_fwd(
+    const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& w_gu, const at::Tensor& a_gu,
+    const at::Tensor& bg, const at::Tensor& bu, const at::Tensor& w_d, const at::Tensor& a_d, const at::Tensor& b_d,
+    double s) {
+  const int64_t F = bg.size(0);
+  TORCH_CHECK(w_gu.dim() == 2 && w_gu.size(0) == 2 * F && bu.size(0) == F, "w_gu must be [", 2 * F, ", C], got ",
+              w_gu.sizes());
+  auto [x2, x2b, rstd] = rms_norm_fwd(x, norm_w, eps, true);
+  const at::Tensor prod = at::mm(x2b, w_gu.t());
+  const at::Tensor h_gu = lowrank_rows(x2, a_gu);
+  auto [act, act_b, h_d] = lora_swiglu_fwd(prod.narrow(1, 0, F), prod.narrow(1, F, F), h_gu, bg, bu, s, true, a_d);
+  const at::Tensor prod_d = at::mm(act_b, w_d.t());
+  at::Tensor out = widen_lowrank(prod_d, h_d, b_d.t(), at::empty({0}, x.options()), s);
+  return {out, rstd, prod, h_gu, h_d};
+}
+
+// The backward from dout [R, C] (float32 rows) and what lora_mlp_fwd saved: (dx [R, C], or an empty tensor without
+// need_x; dA_gu [rg + ru, C]; dB_g [F, rg]; dB_u [F, ru]; dA_d [rd, F]; dB_d [C, rd]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_mlp_bwd(
+    const at::Tensor& dout, const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& norm_w,
+    const at::Tensor& w_gu, const at::Tensor& a_gu, const at::Tensor& bg, const at::Tensor& bu, const at::Tensor& prod,
+    const at::Tensor& h_gu, const at::Tensor& w_d, const at::Tensor& a_d, const at::Tensor& b_d,
+    const at::Tensor& h_d, double s, bool need_x) {
+  const int64_t F = bg.size(0);
+  // down: g, dB and dout's bf16 rows in one pass, then d_act = dout·W_d with the LoRA term added as it is widened
+  auto [dout_b, g_d_rows, db_d_t] = lora_out_grads({dout}, h_d, {b_d}, s, true);
+  const at::Tensor d_act = widen_lowrank(at::mm(dout_b, w_d), g_d_rows, a_d, at::empty({0}, x.options()), s);
+  // [d_gate | d_up] in bf16, act, gate's and up's rank-space rows and dB in one pass
+  auto [dgu_b, da_d, g_rows, dbg_t, dbu_t] =
+      lora_swiglu_bwd_grads(d_act, prod.narrow(1, 0, F), prod.narrow(1, F, F), h_gu, bg, bu, g_d_rows, s);
+  const at::Tensor da_gu = rms_norm_a_grads(x, rstd, norm_w, g_rows, s);
+  at::Tensor dx;
+  if (need_x) {
+    const at::Tensor dx2 = widen_lowrank(at::mm(dgu_b, w_gu), g_rows, a_gu, at::empty({0}, x.options()), s);
+    dx = rms_norm_bwd(dx2, x, rstd, norm_w);
+  } else {
+    dx = at::empty({0}, x.options());
+  }
+  return {dx, da_gu, dbg_t.t(), dbu_t.t(), da_d, db_d_t[0].t()};
+}
 }  // namespace
 
 TORCH_LIBRARY(lorad_fused, m) {
@@ -1975,6 +2024,13 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("causal_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor vr, Tensor lse, float scale) -> (Tensor, "
         "Tensor, Tensor)",
         &causal_attention_bwd);
+  m.def("lora_mlp_fwd(Tensor x, Tensor norm_w, float eps, Tensor w_gu, Tensor a_gu, Tensor bg, Tensor bu, Tensor w_d, "
+        "Tensor a_d, Tensor b_d, float s) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &lora_mlp_fwd);
+  m.def("lora_mlp_bwd(Tensor dout, Tensor x, Tensor rstd, Tensor norm_w, Tensor w_gu, Tensor a_gu, Tensor bg, "
+        "Tensor bu, Tensor prod, Tensor h_gu, Tensor w_d, Tensor a_d, Tensor b_d, Tensor h_d, float s, bool need_x) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &lora_mlp_bwd);
   m.def("attention_f32_ready(int head_dim) -> bool", &attention_f32_ready);
   m.def("causal_attention_f32_fwd(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)",
         &causal_attention_f32_fwd);

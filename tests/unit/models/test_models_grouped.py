@@ -72,3 +72,51 @@ def test_grouped_nodes_give_the_layer_by_layer_gradients(
 
     assert err(grouped) < 2e-2, err(grouped)
     assert err(grouped) < 1.25 * err(separate), (err(grouped), err(separate))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_mlp_node_in_two_kernel_calls_gives_its_python_compositions_bits(
+    hf_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the fused kernels run, a bf16 MLP node is one kernel call a direction (``fused.lora_mlp_forward``): the
+    same kernels and GEMMs in the same order as the node's Python composition, so the loss and every gradient are the
+    same bits; an fp32 model never takes it."""
+    from lorad.kernels import fused
+    from lorad.server.engine.models import mlp
+
+    if fused.kernels() is None:
+        pytest.skip(f"fused kernels not built here: {fused.describe()[1]}")
+    path = hf_dirs[arch]
+    calls = {"n": 0}
+    real = mlp.lora_mlp_forward
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(mlp, "lora_mlp_forward", counted)
+
+    def run(precision: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model = build_model(read_config(path), read_weights(path), backend="torch", precision=precision,
+                            lora=LoraConfig(rank=4, alpha=8))  # fmt: skip
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(std=0.05, generator=g)
+        ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(6))
+        loss = model(ids, ids)
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]  # type: ignore[misc]
+
+    loss_two, grads_two = run("bf16")
+    layers = read_config(path).num_layers
+    assert calls["n"] == layers
+    monkeypatch.setattr(mlp, "_two_calls", lambda *_a: None)
+    loss_py, grads_py = run("bf16")
+    assert calls["n"] == layers
+    assert torch.equal(loss_two, loss_py)
+    assert all(torch.equal(a, b) for a, b in zip(grads_two, grads_py, strict=True))
+    monkeypatch.undo()
+    monkeypatch.setattr(mlp, "lora_mlp_forward", counted)
+    run("fp32")
+    assert calls["n"] == layers
