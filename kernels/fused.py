@@ -550,6 +550,50 @@ def lora_mlp_backward(  # noqa: PLR0917
     return (dx if need_x else None), da_gu, dbg, dbu, da_d, db_d
 
 
+def lora_group_forward(  # noqa: PLR0917
+    x: Tensor,
+    norm: tuple[Tensor, float],
+    w: Tensor,
+    a: Tensor,
+    bs: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    *,
+    scaling: float,
+) -> tuple[list[Tensor], Tensor, Tensor] | None:
+    """The forward of layers reading one normed input (lora_group.py's node, its common case: q/k/v) in one call:
+    ``(each member's output [R, out_i], rstd, h)`` for the norm's input rows ``x`` [R, C], their stacked bf16 weight
+    ``w`` and ``a`` = ``[A_1; …]``; the same kernels and GEMMs as the node's Python composition, in its order, so the
+    same bits. None where the kernels do not run."""
+    ops = kernels()
+    if ops is None:
+        return None
+    nw, eps = norm
+    bias_list = [_NO_BIAS if b is None else b.contiguous() for b in biases]
+    outs, rstd, h = ops.lora_group_fwd(x, nw.contiguous(), float(eps), w, a, list(bs), bias_list, float(scaling))
+    return list(outs), rstd, h
+
+
+def lora_group_backward(
+    dys: Sequence[Tensor],
+    saved: Sequence[Tensor],
+    norm: tuple[Tensor, float],
+    w: Tensor,
+    bs: Sequence[Tensor],
+    *,
+    scaling: float,
+    need_x: bool,
+) -> tuple[Tensor | None, Tensor, list[Tensor]]:
+    """``lora_group_forward``'s backward from the members' float32 output-gradient rows and what it saved (``x``,
+    ``rstd``, ``h``, ``a``): ``(dx or None, dA [Σr, C], [dB_i])``."""
+    ops = kernels()
+    assert ops is not None, "lora_group_backward without the kernels that ran its forward"
+    x, rstd, h, a = saved
+    dx, da, dbs = ops.lora_group_bwd(
+        list(dys), x, rstd, norm[0].contiguous(), w, a, list(bs), h, float(scaling), need_x
+    )
+    return (dx if need_x else None), da, list(dbs)
+
+
 def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, *, bf16: bool) -> Tensor:
     """RoPE of x [B, T, H, D] (fp32) by the [T, D] tables into contiguous [B, H, T, D] rows, fp32 or (``bf16``) rounded
     to bf16 once: ``y1 = x1·c1 − x2·s1``, ``y2 = x2·c2 + x1·s2`` over the halves of D, computed in fp32."""

@@ -1988,6 +1988,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   return {dx, da_gu, dbg_t.t(), dbu_t.t(), da_d, db_d_t[0].t()};
 }
+
+// ---- layers reading one normed input in two calls ---------------------------------------------------------------
+// lora_group.py's node (q/k/v) for its common case: the members' bf16 weights stacked into w [Σout, C] (bf16), the
+// block's RMSNorm inside, the kernels taking every width. The same kernels and GEMMs, in the node's order, as its
+// Python composition. a = [A_1; …] [Σr, C]; biases[i] empty where member i has none.
+
+// (each member's output [R, out_i], rstd [R, 1], h [R, Σr])
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> lora_group_fwd(const at::Tensor& x, const at::Tensor& norm_w,
+                                                                           double eps, const at::Tensor& w,
+                                                                           const at::Tensor& a, at::TensorList bs,
+                                                                           at::TensorList biases, double s) {
+  TORCH_CHECK(!bs.empty() && bs.size() == biases.size(), "one lora_B and one bias (or an empty tensor) per member: got ",
+              bs.size(), " and ", biases.size());
+  auto [x2, x2b, rstd] = rms_norm_fwd(x, norm_w, eps, true);
+  const at::Tensor prod = at::mm(x2b, w.t());
+  const at::Tensor h = lowrank_rows(x2, a);
+  std::vector<at::Tensor> outs;
+  int64_t col = 0, rk = 0;
+  for (size_t i = 0; i < bs.size(); ++i) {
+    const int64_t out = bs[i].size(0), r = bs[i].size(1);
+    outs.push_back(widen_lowrank(prod.narrow(1, col, out), h.narrow(1, rk, r), bs[i].t(), biases[i], s));
+    col += out;
+    rk += r;
+  }
+  TORCH_CHECK(col == w.size(0) && rk == a.size(0), "the members' widths (", col, ") and ranks (", rk,
+              ") must add up to the stacked weight's rows (", w.size(0), ") and A's (", a.size(0), ")");
+  return {outs, rstd, h};
+}
+
+// The backward from the members' output gradients dys[i] [R, out_i] (float32 rows) and what lora_group_fwd saved:
+// (dx [R, C], or an empty tensor without need_x; dA [Σr, C]; each dB_i [out_i, r_i]).
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_group_bwd(at::TensorList dys, const at::Tensor& x,
+                                                                           const at::Tensor& rstd,
+                                                                           const at::Tensor& norm_w, const at::Tensor& w,
+                                                                           const at::Tensor& a, at::TensorList bs,
+                                                                           const at::Tensor& h, double s, bool need_x) {
+  auto [packed, g_rows, db_t] = lora_out_grads(dys, h, bs, s, need_x);
+  at::Tensor dx = need_x ? rms_norm_bwd(widen_lowrank(at::mm(packed, w), g_rows, a, at::empty({0}, x.options()), s),
+                                        x, rstd, norm_w)
+                         : at::empty({0}, x.options());
+  at::Tensor da = rms_norm_a_grads(x, rstd, norm_w, g_rows, s);
+  std::vector<at::Tensor> dbs;
+  for (const at::Tensor& t : db_t) dbs.push_back(t.t());
+  return {dx, da, dbs};
+}
 }  // namespace
 
 TORCH_LIBRARY(lorad_fused, m) {
@@ -2031,6 +2076,12 @@ TORCH_LIBRARY(lorad_fused, m) {
         "Tensor bu, Tensor prod, Tensor h_gu, Tensor w_d, Tensor a_d, Tensor b_d, Tensor h_d, float s, bool need_x) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         &lora_mlp_bwd);
+  m.def("lora_group_fwd(Tensor x, Tensor norm_w, float eps, Tensor w, Tensor a, Tensor[] bs, Tensor[] biases, "
+        "float s) -> (Tensor[], Tensor, Tensor)",
+        &lora_group_fwd);
+  m.def("lora_group_bwd(Tensor[] dys, Tensor x, Tensor rstd, Tensor norm_w, Tensor w, Tensor a, Tensor[] bs, "
+        "Tensor h, float s, bool need_x) -> (Tensor, Tensor, Tensor[])",
+        &lora_group_bwd);
   m.def("attention_f32_ready(int head_dim) -> bool", &attention_f32_ready);
   m.def("causal_attention_f32_fwd(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)",
         &causal_attention_f32_fwd);

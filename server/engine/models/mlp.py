@@ -45,8 +45,6 @@ from torch import Tensor
 
 from lorad.kernels import LoRALinear
 from lorad.kernels.fused import (
-    SMALL_ROWS,
-    kernels,
     lora_mlp_backward,
     lora_mlp_forward,
     lora_swiglu_backward,
@@ -67,6 +65,7 @@ from lorad.kernels.lora_group import (
     lora_rows,
     norm_input_grad,
     normed_rows,
+    one_call_weight,
     rebuild,
     recompute_rows,
     rows_a_grads,
@@ -182,19 +181,14 @@ def _two_calls(
     layers: tuple[LoRALinear, LoRALinear, LoRALinear], norm: RMSNorm | None, x: Tensor
 ) -> tuple[Tensor, Tensor] | None:
     """(gate/up's stacked bf16 weight, down's bf16 weight) when the node runs as one kernel call a direction
-    (``fused.lora_mlp_forward``): the kernels built, the block's norm inside, gate/up stacked and down at bf16 both ways
-    with no biases, float32 operands and widths the kernels take. Else None: the Python composition below runs."""
+    (``fused.lora_mlp_forward``): gate/up as ``lora_group.one_call_weight`` takes them, down at bf16 both ways and
+    its rows a multiple of 16 wide, no biases. Else None: the Python composition below runs."""
     gate_l, up_l, down_l = layers
-    if norm is None or x.dtype != torch.float32 or not x.is_contiguous() or x.numel() <= SMALL_ROWS * x.shape[-1]:
+    w_gu = one_call_weight((gate_l, up_l), norm, x)
+    w_d = joint_bf16([down_l.frozen])
+    if w_gu is None or w_d is None or any(m.frozen.bias is not None for m in layers) or gate_l.out_features % 16:
         return None
-    w_gu, w_d = joint_bf16([gate_l.frozen, up_l.frozen]), joint_bf16([down_l.frozen])
-    if w_gu is None or w_d is None or any(m.frozen.bias is not None for m in layers):
-        return None
-    if x.shape[-1] % 16 or gate_l.out_features % 16 or norm[0].dtype != torch.float32:
-        return None
-    if any(p.dtype != torch.float32 for m in layers for p in (m.lora_A, m.lora_B)):
-        return None
-    return (w_gu, w_d) if kernels() is not None else None
+    return (w_gu, w_d) if all(p.dtype == torch.float32 for p in (down_l.lora_A, down_l.lora_B)) else None
 
 
 def _lora_bs(gate: LoRALinear, up: LoRALinear) -> tuple[Tensor, Tensor]:

@@ -74,27 +74,31 @@ def test_grouped_nodes_give_the_layer_by_layer_gradients(
     assert err(grouped) < 1.25 * err(separate), (err(grouped), err(separate))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_mlp_node_in_two_kernel_calls_gives_its_python_compositions_bits(
-    hf_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("node", ["mlp", "qkv"])
+def test_a_node_in_one_kernel_call_a_direction_gives_its_python_compositions_bits(
+    hf_dirs: dict[str, Path], arch: str, node: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the fused kernels run, a bf16 MLP node is one kernel call a direction (``fused.lora_mlp_forward``): the
-    same kernels and GEMMs in the same order as the node's Python composition, so the loss and every gradient are the
-    same bits; an fp32 model never takes it."""
-    from lorad.kernels import fused
+    """Where the fused kernels run, a bf16 MLP node (``fused.lora_mlp_forward``) and a bf16 q/k/v node
+    (``fused.lora_group_forward``, q/k/v biases included: qwen2) are one kernel call a direction: the same kernels and
+    GEMMs in the same order as the node's Python composition, so the loss and every gradient are the same bits; an
+    fp32 model never takes them."""
+    from lorad.kernels import fused, lora_group
     from lorad.server.engine.models import mlp
 
     if fused.kernels() is None:
         pytest.skip(f"fused kernels not built here: {fused.describe()[1]}")
     path = hf_dirs[arch]
+    mod, entry, switch = (mlp, "lora_mlp_forward", "_two_calls") if node == "mlp" else (
+        lora_group, "lora_group_forward", "one_call_weight")  # fmt: skip
     calls = {"n": 0}
-    real = mlp.lora_mlp_forward
+    real = getattr(mod, entry)
 
     def counted(*a, **k):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(mlp, "lora_mlp_forward", counted)
+    monkeypatch.setattr(mod, entry, counted)
 
     def run(precision: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model = build_model(read_config(path), read_weights(path), backend="torch", precision=precision,
@@ -108,15 +112,15 @@ def test_the_mlp_node_in_two_kernel_calls_gives_its_python_compositions_bits(
         loss.backward()
         return loss.detach(), [p.grad for p in model.parameters()]  # type: ignore[misc]
 
-    loss_two, grads_two = run("bf16")
+    loss_one, grads_one = run("bf16")
     layers = read_config(path).num_layers
     assert calls["n"] == layers
-    monkeypatch.setattr(mlp, "_two_calls", lambda *_a: None)
+    monkeypatch.setattr(mod, switch, lambda *_a: None)
     loss_py, grads_py = run("bf16")
     assert calls["n"] == layers
-    assert torch.equal(loss_two, loss_py)
-    assert all(torch.equal(a, b) for a, b in zip(grads_two, grads_py, strict=True))
+    assert torch.equal(loss_one, loss_py)
+    assert all(torch.equal(a, b) for a, b in zip(grads_one, grads_py, strict=True))
     monkeypatch.undo()
-    monkeypatch.setattr(mlp, "lora_mlp_forward", counted)
+    monkeypatch.setattr(mod, entry, counted)
     run("fp32")
     assert calls["n"] == layers
