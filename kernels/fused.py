@@ -407,6 +407,17 @@ def widen_lowrank(prod: Tensor, h: Tensor, m: Tensor, *, scaling: float, bias: T
     return y.addmm_(h, m, alpha=scaling)
 
 
+def add_lowrank_(y: Tensor, h: Tensor, m: Tensor, *, scaling: float) -> Tensor:
+    """``y += scaling·h·m`` in place for float32 rows ``y`` [R, N] and a rank-k term ``h`` [R, k]·``m`` [k, N] (a LoRA
+    layer's term on a frozen output or input gradient another backend or precision computed, an int8 GEMM's): one
+    pass where the kernels run (``y`` with contiguous columns), else torch's ``addmm_``. Returns ``y``."""
+    ops = kernels()
+    if ops is not None and _fp32(y, h, m) and y.stride(1) == 1 and h.shape[1] > 0:
+        out: Tensor = ops.add_lowrank_(y, h, m, float(scaling))
+        return out
+    return y.addmm_(h, m, alpha=scaling)
+
+
 def _fp32(*ts: Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.dim() == 2 for t in ts)
 

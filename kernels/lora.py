@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
-from lorad.kernels.fused import lora_out_grads, lowrank_rows, widen_lowrank
+from lorad.kernels.fused import add_lowrank_, lora_out_grads, lowrank_rows, widen_lowrank
 from lorad.kernels.queue import NpuQueue, queue_for
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm
 
@@ -78,7 +78,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
             y = widen_lowrank(gemm.bf16_product(rows), h, lora_b.t(), scaling=scaling, bias=gemm.bias)
         else:
             assert fut is not None
-            y = fut.result().addmm_(h, lora_b.t(), alpha=scaling)
+            y = add_lowrank_(fut.result(), h, lora_b.t(), scaling=scaling)
         ctx.save_for_backward(rows if mask is None else xd, h, lora_a, lora_b, mask)
         ctx.frozen, ctx.queue, ctx.scaling = frozen, queue, scaling
         ctx.in_shape = x.shape
@@ -92,18 +92,20 @@ class _LoRAFrozenFn(torch.autograd.Function):
         dy2 = rows_fp32(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]
         gemm = bf16_gemm(ctx.frozen, backward=True) if mask is None else None  # its product widened with the LoRA part
-        if mask is None and (gemm is not None or not need_x):  # one pass over dy: g, dB, the GEMM's bf16 operand
-            fused = lora_out_grads([dy2], h, [lora_b], scaling=s, want_bf16=need_x)
+        fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x and gemm is None else None  # queued first
+        if mask is None:  # one pass over dy: g, dB and (for a bf16 GEMM) its bf16 operand
+            fused = lora_out_grads([dy2], h, [lora_b], scaling=s, want_bf16=need_x and gemm is not None)
             if fused is not None:
                 packed, g_rows, (d_b_rows,) = fused
                 d_a_f = (g_rows.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
                 dx_f = None
                 if gemm is not None and packed is not None:
                     dx_f = widen_lowrank(gemm.input_grad_product(packed), g_rows, lora_a, scaling=s)
-                    dx_f = dx_f.reshape(ctx.in_shape)
+                elif fut is not None:  # another backend's (or precision's) input gradient, the LoRA part added to it
+                    dx_f = add_lowrank_(fut.result(), g_rows, lora_a, scaling=s)
+                dx_f = None if dx_f is None else dx_f.reshape(ctx.in_shape)
                 d_b_f = d_b_rows if ctx.needs_input_grad[2] else None
                 return dx_f, d_a_f, d_b_f, None, None, None, None, None
-        fut = ctx.queue.submit(ctx.frozen.input_grad, dy2) if need_x and gemm is None else None
         g = (lora_b.t() @ dy2.t()).t()  # [T, r] as [r, out]·[out, T]: MKL runs [T, out]·[out, r] at 4-20x the time
         d_b = (h.t() @ dy2).t().mul_(s) if ctx.needs_input_grad[2] else None
         d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
@@ -113,7 +115,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
         elif fut is not None:
             dx = fut.result()
             if mask is None:
-                dx.addmm_(g, lora_a, alpha=s)  # the LoRA part added by the GEMM itself: no [T, in] temporary
+                add_lowrank_(dx, g, lora_a, scaling=s)  # the LoRA part added in one pass: no [T, in] temporary
             else:
                 dx.add_((g @ lora_a).mul_(s).mul_(mask))
             dx = dx.reshape(ctx.in_shape)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lorad.kernels.fused import (
     SMALL_ROWS,
+    add_lowrank_,
     kernels,
     lora_group_backward,
     lora_group_forward,
@@ -198,7 +199,7 @@ def _add_lora(m: LoRALinear, y: Tensor, h: Tensor, o: int) -> Tensor:
         g = _bf16_gemm(m)
         assert g is not None, f"{m.frozen.name}: a bf16 result from a layer whose forward is no bf16 GEMM"
         return widen_lowrank(y, hm, bt, scaling=m.scaling, bias=g.bias)
-    return y.addmm_(hm, bt, alpha=m.scaling)
+    return add_lowrank_(y, hm, bt, scaling=m.scaling)
 
 
 def backward(
@@ -232,27 +233,30 @@ def backward_parts(
     """``backward`` without the input rows: (dX or None, ``g`` = [Σr, T] whose row block i is ``(dy_i·B_i)ᵀ``,
     [dB_i]); ``a_grads(members, g, x2)`` gives dA. For a node whose input rows are only known after dX (the MLP's
     ``act``, recomputed by the pass that also takes d_act). The frozen input gradients are queued first, so an NPU
-    computes them while the CPU does the rest. Where the members' input gradient is one stacked bf16 GEMM (or none is
-    needed) and the kernels take the widths, one pass over each dy (``fused.lora_out_grads``) gives g, dB and the
-    GEMM's bf16 operand instead of two thin MKL products per member, each a pass over dy, and a conversion: a SmolLM2
-    step -9.6, -9.5 and -9.1 ms with the same pass in ``lora._LoRAFrozenFn`` (one process per commit, one fixed
-    batch, 14 steps each), -7.4 ms in 20 interleaved pairs in one process."""
+    computes them while the CPU does the rest. Where the kernels take the widths, one pass over each dy
+    (``fused.lora_out_grads``) gives g, dB and, where the members' input gradient is one stacked bf16 GEMM, its bf16
+    operand, instead of two thin MKL products per member, each a pass over dy, and a conversion: a SmolLM2 step -9.6,
+    -9.5 and -9.1 ms with the same pass in ``lora._LoRAFrozenFn`` (one process per commit, one fixed batch, 14 steps
+    each), -7.4 ms in 20 interleaved pairs in one process. Members whose input gradients are other backends' calls
+    (an int8 down_proj, gate and up at int8) take the same pass for g and dB."""
     s = members[0].scaling
     joint = _joint(members) if need_x else None
-    if joint is not None or not need_x:  # one pass over each dy gives g, dB and the GEMM's bf16 operand
-        bs = [m.lora_B.detach() for m in members]
-        fused = lora_out_grads(dys, h, bs, scaling=s, want_bf16=need_x and dys_bf16 is None)
-        if fused is not None:
-            packed, g_rows, d_bs = fused
-            dx_f = None
-            if joint is not None:
-                prod = joint_input_grad_product(joint, dys, packed=packed if dys_bf16 is None else dys_bf16)
-                dx_f = widen_lowrank(prod, g_rows, _stacked_a(members), scaling=s)
-            return dx_f, g_rows.t(), d_bs
     futs = []
     if need_x and joint is None:
         # contiguous for backends that hand the rows to a runtime (column blocks of [d_gate | d_up] are not)
         futs = [m.queue.submit(m.frozen.input_grad, dy.contiguous()) for m, dy in zip(members, dys, strict=True)]
+    # one pass over each dy gives g, dB and (for a stacked bf16 GEMM) its bf16 operand
+    bs = [m.lora_B.detach() for m in members]
+    fused = lora_out_grads(dys, h, bs, scaling=s, want_bf16=joint is not None and dys_bf16 is None)
+    if fused is not None:
+        packed, g_rows, d_bs = fused
+        dx_f = None
+        if joint is not None:
+            prod = joint_input_grad_product(joint, dys, packed=packed if dys_bf16 is None else dys_bf16)
+            dx_f = widen_lowrank(prod, g_rows, _stacked_a(members), scaling=s)
+        elif need_x:
+            dx_f = add_lowrank_(_summed(futs), g_rows, _stacked_a(members), scaling=s)
+        return dx_f, g_rows.t(), d_bs
     total_r = sum(m.rank for m in members)
     g = torch.empty(total_r, h.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
     d_b: list[Tensor] = []
@@ -265,11 +269,16 @@ def backward_parts(
         if joint is not None:  # the LoRA part added as the product is widened: no separate pass over dX
             dx = widen_lowrank(joint_input_grad_product(joint, dys, packed=dys_bf16), g.t(), a_cat, scaling=s)
         else:
-            dx = futs[0].result()
-            for fut in futs[1:]:
-                dx.add_(fut.result())
-            dx.addmm_(g.t(), a_cat, alpha=s)
+            dx = add_lowrank_(_summed(futs), g.t(), a_cat, scaling=s)
     return dx, g, d_b
+
+
+def _summed(futs: Sequence[Future[Tensor]]) -> Tensor:
+    """The sum of the members' frozen input gradients, into the first one's tensor."""
+    dx = futs[0].result()
+    for fut in futs[1:]:
+        dx.add_(fut.result())
+    return dx
 
 
 def input_grad_from_rank_rows(members: Sequence[LoRALinear], g_rows: Tensor, dys_bf16: Tensor) -> Tensor:

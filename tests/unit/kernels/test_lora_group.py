@@ -278,3 +278,42 @@ def test_a_single_layer_at_bf16_both_ways_is_a_group_of_one() -> None:
     torch.testing.assert_close(dx, x.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_a, m.lora_A.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d_b, m.lora_B.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_layers_at_w8a8_take_their_lora_gradients_from_one_pass_over_dy(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer (or group) whose input gradient is another backend's or precision's call (here torch w8a8) takes g and
+    dB from one pass over its output gradient (``fused.lora_out_grads``) while that call runs, instead of two thin
+    products; the gradients are those of the thin products (torch ops) up to float rounding."""
+    from lorad.kernels import fused, lora, lora_group
+
+    if fused.kernels() is None:
+        pytest.skip(f"fused kernels not built here: {fused.describe()[1]}")
+    layers = _layers([(32, 16), (16, 16)], precision="w8a8")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, 16, generator=g, requires_grad=True)
+    dys = [torch.randn(2, 9, m.out_features, generator=g) for m in layers]
+    calls = {"n": 0}
+    real = fused.lora_out_grads
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(lora, "lora_out_grads", counted)
+    monkeypatch.setattr(lora_group, "lora_out_grads", counted)
+
+    def run() -> list[torch.Tensor]:
+        _zero(layers, x)
+        ys = shared_input_lora(layers, x) if grouped else [m(x) for m in layers]
+        sum((y * d).sum() for y, d in zip(ys, dys, strict=True)).backward()
+        return _grads(layers, x)
+
+    got = run()
+    assert calls["n"] == (1 if grouped else len(layers))
+    with fused.disabled():
+        ref = run()
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
