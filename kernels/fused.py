@@ -482,16 +482,16 @@ def lora_swiglu_backward_grads(
     them taken in the same pass while each tile of fp32 gradients and of ``act`` is in cache (neither is written out):
     ``(d_gu_bf16, dA_next, g, dB_g, dB_u)`` with ``dA_next`` [r, F] = ``s·g_nextᵀ·act`` for the next layer's
     (down_proj's) rank-space gradient rows ``g_next`` [R, r] (any strides), ``g`` [R, r_g + r_u] =
-    ``[d_gate·B_g | d_up·B_u]``, and each ``dB`` [F, r] = ``s·d_upᵀ·h_u`` (gate likewise; a transposed view, as
-    ``(h.t() @ dy).t()`` gives it). None where the kernels do not run this (no build, other operands, an intermediate
-    size that is not a multiple of 16): the caller then takes ``lora_swiglu_backward``'s fp32 gradients and ``act``
-    and the thin products. The sums run in a fixed order whatever the thread count; they differ from MKL's by float
-    rounding."""
+    ``[d_gate·B_g | d_up·B_u]``, and each ``dB`` [F, r] = ``s·d_upᵀ·h_u`` (gate likewise; contiguous, the layout of
+    lora_B, so autograd keeps it as it is). None where the kernels do not run this (no build, other operands, an
+    intermediate size that is not a multiple of 16): the caller then takes ``lora_swiglu_backward``'s fp32 gradients
+    and ``act`` and the thin products. The sums run in a fixed order whatever the thread count; they differ from
+    MKL's by float rounding."""
     ops = kernels()
     if ops is None or not (_lora_ok(prods, h, bs) and _rows_ok(d_act)) or prods[0].shape[1] % 16 or not _fp32(g_next):
         return None
-    dgub, da_next, g, dbg_t, dbu_t = ops.lora_swiglu_bwd_grads(d_act, *prods, h, *bs, g_next, float(scaling))
-    return dgub, da_next, g, dbg_t.t(), dbu_t.t()
+    dgub, da_next, g, db_g, db_u = ops.lora_swiglu_bwd_grads(d_act, *prods, h, *bs, g_next, float(scaling))
+    return dgub, da_next, g, db_g, db_u
 
 
 def lora_out_grads(
@@ -500,15 +500,15 @@ def lora_out_grads(
     """The LoRA gradients of layers that share the stacked ``h`` [R, Σr], from their fp32 output gradients ``dys``
     [R, out_i], in one pass over each gradient row: the rows side by side in bf16 when ``want_bf16`` (the stacked
     input-gradient GEMM's operand, rounded as ``.to(torch.bfloat16)`` rounds; else None), ``g`` [R, Σr] =
-    ``[dy_i·B_i …]`` and each ``dB_i`` [out_i, r_i] = ``s·dy_iᵀ·h_i`` (a transposed view, as ``(h.t() @ dy).t()``
-    gives it), where the thin products read every gradient twice more. None where the kernels do not run this (no
+    ``[dy_i·B_i …]`` and each ``dB_i`` [out_i, r_i] = ``s·dy_iᵀ·h_i`` (contiguous, the layout of lora_B), where the
+    thin products read every gradient twice more. None where the kernels do not run this (no
     build, an output width that is not a multiple of 16, other dtypes or layouts): the caller takes the thin products.
     The sums run in a fixed order whatever the thread count; they differ from MKL's by float rounding."""
     ops = kernels()
     if ops is None or not all(_rows_ok(d) and d.shape[1] % 16 == 0 for d in dys) or not _fp32(h, *bs):
         return None
-    packed, g, dbs_t = ops.lora_out_grads(list(dys), h, list(bs), float(scaling), want_bf16)
-    return (packed if want_bf16 else None), g, [t.t() for t in dbs_t]
+    packed, g, dbs = ops.lora_out_grads(list(dys), h, list(bs), float(scaling), want_bf16)
+    return (packed if want_bf16 else None), g, list(dbs)
 
 
 def lora_mlp_forward(  # noqa: PLR0917 (the node's operands, positionally as the op takes them)

@@ -580,6 +580,24 @@ void add_block_partials(const float* part, int64_t blocks, int64_t stride, int64
   });
 }
 
+// out [cols, rows] (contiguous) = s·Σ_b part[b·stride + r·cols + c]: add_block_partials of a [rows, cols] partial,
+// written transposed, in the layout of the parameter it is the gradient of (a LoRA B [out, r]): autograd then keeps
+// the tensor as it is where it copied a transposed view into a new gradient (210 copies, ~2 ms a SmolLM2 step).
+void add_block_partials_t(const float* part, int64_t blocks, int64_t stride, int64_t rows, int64_t cols, double s_d,
+                          float* out) {
+  at::parallel_for(0, cols, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, rows)),
+                   [&](int64_t begin, int64_t end) {
+                     const float s = static_cast<float>(s_d);
+                     for (int64_t c = begin; c < end; ++c) {
+                       for (int64_t r = 0; r < rows; ++r) {
+                         float v = part[r * cols + c];
+                         for (int64_t b = 1; b < blocks; ++b) v += part[b * stride + r * cols + c];
+                         out[c * rows + r] = s * v;
+                       }
+                     }
+                   });
+}
+
 // acc[k][c] += Σ_i hk[i][k]·d[i][c] for the tile's rows i < nr (hk: kTileRows rows of `rank` floats, d: rows ld
 // floats apart) and columns c < F, a multiple of 16; acc rows are lda floats apart. The rows' 16 columns are loaded
 // once and feed every k. With `first` (a block's first tile), acc is written instead: its partials need no zeroing
@@ -649,7 +667,7 @@ void tile_row_dots(const float* d, int64_t ld, int64_t nr, const float* bT, int6
 
 // lora_swiglu_bwd's bf16 [d_gate | d_up], with the LoRA gradients of gate, up and down from the same pass, while each
 // tile's fp32 gradients and act are in cache (they are never written out): g [R, rg + ru] = [d_gate·B_g | d_up·B_u]
-// (the rank-space gradient the input gradient and dA multiply), dB_gᵀ [rg, F] = s·Σ_rows h_g ⊗ d_gate, dB_uᵀ likewise,
+// (the rank-space gradient the input gradient and dA multiply), dB_g [F, rg] = s·Σ_rows d_gate ⊗ h_g, dB_u likewise,
 // and down's dA [rd, F] = s·Σ_rows g_d ⊗ act for down's rank-space rows g_d [R, rd] (any strides), where a thin
 // [rd, R]·[R, F] product read act again (0.19 ms a SmolLM2 layer at 224 rows, MKL, Zen 5).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swiglu_bwd_grads(
@@ -703,16 +721,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_swig
       }
     }
   });
-  at::Tensor dbT = at::empty({rall, F}, h.options());
-  float* op = dbT.data_ptr<float>();
-  add_block_partials(pp, blocks, rall * F, rall * F, s_d, op);
-  return {dgub, dbT.narrow(0, rk, rd), g, dbT.narrow(0, 0, rg), dbT.narrow(0, rg, ru)};
+  at::Tensor db_g = at::empty({F, rg}, h.options()), db_u = at::empty({F, ru}, h.options());
+  at::Tensor da_d = at::empty({rd, F}, h.options());
+  add_block_partials_t(pp, blocks, rall * F, rg, F, s_d, db_g.data_ptr<float>());
+  add_block_partials_t(pp + rg * F, blocks, rall * F, ru, F, s_d, db_u.data_ptr<float>());
+  add_block_partials(pp + rk * F, blocks, rall * F, rd * F, s_d, da_d.data_ptr<float>());
+  return {dgub, da_d, g, db_g, db_u};
 }
 
 // The LoRA gradients of layers from their output gradients dys[i] [R, out_i] (float32, contiguous columns, out_i a
 // multiple of 16) and the stacked h [R, Σr] (any strides), in one pass over each gradient row: the rows side by side
 // in bfloat16 when asked (the input-gradient GEMM's operand; empty otherwise), g [R, Σr] = [dy_i·B_i …] and each
-// dB_iᵀ [r_i, out_i] = s·Σ_rows h_i ⊗ dy_i, summed over kGradBlockRows-row blocks whose partials add in block order.
+// dB_i [out_i, r_i] = s·Σ_rows dy_i ⊗ h_i, summed over kGradBlockRows-row blocks whose partials add in block order.
 std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::TensorList dys, const at::Tensor& h,
                                                                            at::TensorList bs, double s_d,
                                                                            bool want_bf16) {
@@ -779,13 +799,12 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::T
       }
     }
   });
-  std::vector<at::Tensor> dbT(n);
+  std::vector<at::Tensor> dbs(n);
   for (int64_t i = 0; i < n; ++i) {
-    dbT[i] = at::empty({ranks[i], outs[i]}, h.options());
-    float* op = dbT[i].data_ptr<float>();
-    add_block_partials(pp + rk0[i] * cols, blocks, rk * cols, ranks[i] * outs[i], s_d, op);
+    dbs[i] = at::empty({outs[i], ranks[i]}, h.options());
+    add_block_partials_t(pp + rk0[i] * cols, blocks, rk * cols, ranks[i], outs[i], s_d, dbs[i].data_ptr<float>());
   }
-  return {packed, g, dbT};
+  return {packed, g, dbs};
 }
 
 // dA [k, C] = s·Σ_rows g[row]ᵀ ⊗ y[row] for y = rms_norm_apply(x, rstd, w) (the same expression, so the same bits),
@@ -2006,10 +2025,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& h_d, double s, bool need_x) {
   const int64_t F = bg.size(0);
   // down: g, dB and dout's bf16 rows in one pass, then d_act = dout·W_d with the LoRA term added as it is widened
-  auto [dout_b, g_d_rows, db_d_t] = lora_out_grads({dout}, h_d, {b_d}, s, true);
+  auto [dout_b, g_d_rows, db_d] = lora_out_grads({dout}, h_d, {b_d}, s, true);
   const at::Tensor d_act = widen_lowrank(at::mm(dout_b, w_d), g_d_rows, a_d, at::empty({0}, x.options()), s);
   // [d_gate | d_up] in bf16, act, gate's and up's rank-space rows and dB in one pass
-  auto [dgu_b, da_d, g_rows, dbg_t, dbu_t] =
+  auto [dgu_b, da_d, g_rows, db_g, db_u] =
       lora_swiglu_bwd_grads(d_act, prod.narrow(1, 0, F), prod.narrow(1, F, F), h_gu, bg, bu, g_d_rows, s);
   const at::Tensor da_gu = rms_norm_a_grads(x, rstd, norm_w, g_rows, s);
   at::Tensor dx;
@@ -2019,7 +2038,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   } else {
     dx = at::empty({0}, x.options());
   }
-  return {dx, da_gu, dbg_t.t(), dbu_t.t(), da_d, db_d_t[0].t()};
+  return {dx, da_gu, db_g, db_u, da_d, db_d[0]};
 }
 
 // ---- layers reading one normed input in two calls ---------------------------------------------------------------
@@ -2057,13 +2076,11 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_group_bwd(at::T
                                                                            const at::Tensor& norm_w, const at::Tensor& w,
                                                                            const at::Tensor& a, at::TensorList bs,
                                                                            const at::Tensor& h, double s, bool need_x) {
-  auto [packed, g_rows, db_t] = lora_out_grads(dys, h, bs, s, need_x);
+  auto [packed, g_rows, dbs] = lora_out_grads(dys, h, bs, s, need_x);
   at::Tensor dx = need_x ? rms_norm_bwd(widen_lowrank(at::mm(packed, w), g_rows, a, at::empty({0}, x.options()), s),
                                         x, rstd, norm_w)
                          : at::empty({0}, x.options());
   at::Tensor da = rms_norm_a_grads(x, rstd, norm_w, g_rows, s);
-  std::vector<at::Tensor> dbs;
-  for (const at::Tensor& t : db_t) dbs.push_back(t.t());
   return {dx, da, dbs};
 }
 }  // namespace

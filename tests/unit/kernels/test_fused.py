@@ -153,7 +153,7 @@ def test_lora_swiglu_backward_takes_gate_ups_and_downs_lora_gradients_in_its_pas
     hg, hu = h.double()[:, :3], h.double()[:, 3:]
     assert g.shape == (67, 8)
     assert _rel(g, torch.cat([dg @ t["bg"].double(), du @ t["bu"].double()], 1)) < 1e-6
-    assert db_g.shape == (96, 3) and db_u.shape == (96, 5)
+    assert db_g.shape == (96, 3) and db_u.shape == (96, 5) and db_g.is_contiguous() and db_u.is_contiguous()
     assert _rel(db_g, s * dg.t() @ hg) < 1e-6 and _rel(db_u, s * du.t() @ hu) < 1e-6
     again = fused.lora_swiglu_backward_grads(t["d"], prods, h, bs, g_next, scaling=s)
     assert again is not None and all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
@@ -184,6 +184,7 @@ def test_lora_out_grads_match_the_thin_products_and_the_bf16_copy(ops: object) -
     for i, (dy, b, o, r) in enumerate(zip(dys, bs, (0, 8), (8, 4), strict=True)):
         assert _rel(g_rows[:, o : o + r], dy.double() @ b.double()) < 1e-6, i
         assert d_bs[i].shape == b.shape and _rel(d_bs[i], 0.5 * dy.double().t() @ h[:, o : o + r].double()) < 1e-6, i
+        assert d_bs[i].is_contiguous(), i  # lora_B's layout: autograd accumulates it without a copy
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
