@@ -332,16 +332,34 @@ def _lora_ok(prods: Sequence[Tensor], h: Tensor, bs: Sequence[Tensor]) -> bool:
     return bf16 and h.dtype == torch.float32 and all(b.dtype == torch.float32 for b in bs)
 
 
+def _any_rows_ok(x: Tensor) -> bool:
+    """Whether the kernels take ``x`` as rows: a float32 or bfloat16 matrix with contiguous columns, C a multiple of
+    16 (bf16 rows are widened a tile at a time, exactly)."""
+    return x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 16 == 0
+
+
 def lowrank_rows(x: Tensor, a: Tensor) -> Tensor:
-    """``h = x·aᵀ`` [R, k] for rows ``x`` [R, C] and ``a`` [k, C] (a LoRA layer's A, or several stacked): the rank-space
-    rows the LoRA terms multiply. One pass over ``x`` where the kernels run (C a multiple of 16, fp32 operands with
-    contiguous columns), else torch's ``[k, C]·[C, R]`` product, returned as a transposed view (MKL runs the thin
-    ``[R, C]·[C, k]`` layout at 4-20x the time)."""
+    """``h = x·aᵀ`` [R, k] for rows ``x`` [R, C] (float32, or bfloat16 as exactly widened) and ``a`` [k, C] (a LoRA
+    layer's A, or several stacked): the rank-space rows the LoRA terms multiply. One pass over ``x`` where the kernels
+    run (C a multiple of 16, contiguous columns), else torch's ``[k, C]·[C, R]`` product, returned as a transposed view
+    (MKL runs the thin ``[R, C]·[C, k]`` layout at 4-20x the time)."""
     ops = kernels()
-    if ops is not None and _rows_ok(x, a) and x.shape[1] % 16 == 0 and a.shape[0] > 0:
+    if ops is not None and _any_rows_ok(x) and _rows_ok(a) and a.shape[0] > 0:
         out: Tensor = ops.lowrank_rows(x, a)
         return out
-    return (a @ x.t()).t()
+    return (a @ x.float().t()).t()
+
+
+def lowrank_a_grads(x: Tensor, g: Tensor, *, scaling: float) -> Tensor:
+    """``scaling·gᵀ·x`` [k, C]: a LoRA layer's A gradient from its input rows ``x`` [R, C] (float32, or bfloat16 as
+    exactly widened) and its rank-space gradient ``g`` [R, k]. One pass over ``x`` where the kernels run (as
+    ``lowrank_rows`` takes ``x``; the sums over rows in a fixed order whatever the thread count), else torch's thin
+    product over the widened rows."""
+    ops = kernels()
+    if ops is not None and _any_rows_ok(x) and _fp32(g):
+        out: Tensor = ops.lowrank_a_grads(x, g, float(scaling))
+        return out
+    return (g.t() @ x.float()).mul_(scaling)
 
 
 SMALL_ROWS = 2

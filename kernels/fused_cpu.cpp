@@ -851,24 +851,87 @@ at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const a
 // h [R, k] = x·aᵀ for rows x [R, C] (float32, contiguous columns, any row stride) and a [k, C] (float32, contiguous
 // columns, any row stride): the rank-space rows of LoRA layers reading x (a: their A, stacked), each of the k dot
 // products summed in 16 lanes over C (a multiple of 16), the lanes then in order. Every row is one thread's.
+// Rows of x (float32, or bfloat16 widened into buf, exactly, a tile at a time) from row r0 on: where the tile's nr
+// rows start and their stride.
+struct TileRows {
+  const float* p;
+  int64_t ld;
+};
+
+TileRows tile_rows(const at::Tensor& x, int64_t r0, int64_t nr, std::vector<float>& buf) {
+  const int64_t C = x.size(1), ldx = x.stride(0);
+  if (x.scalar_type() == at::kFloat) return {x.data_ptr<float>() + r0 * ldx, ldx};
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r0 * ldx;
+  buf.resize(static_cast<size_t>(kTileRows * C));
+  for (int64_t i = 0; i < nr; ++i) {
+    float* o = buf.data() + i * C;
+    const uint16_t* xr = xp + i * ldx;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) o[c] = from_bf16(xr[c]);
+  }
+  return {buf.data(), C};
+}
+
+void check_any_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, name, " must have contiguous columns (stride(1) == 1)");
+}
+
+// h [R, k] = x·aᵀ for rows x [R, C] (float32, or bfloat16 widened a tile at a time: the bf16 attention output o_proj
+// reads, no widened copy; contiguous columns, any row stride) and a [k, C] (float32, contiguous columns).
 at::Tensor lowrank_rows(const at::Tensor& x, const at::Tensor& a) {
-  check_rows(x, "x");
+  check_any_rows(x, "x");
   check_rows(a, "a");
-  const int64_t R = x.size(0), C = x.size(1), k = a.size(0), ldx = x.stride(0), lda = a.stride(0);
+  const int64_t R = x.size(0), C = x.size(1), k = a.size(0), lda = a.stride(0);
   TORCH_CHECK(a.size(1) == C && k > 0, "a must be a [k, ", C, "] matrix with k > 0, got ", a.sizes());
   TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
-  at::Tensor h = at::empty({R, k}, x.options());
-  const float* xp = x.data_ptr<float>();
+  at::Tensor h = at::empty({R, k}, a.options());
   const float* ap = a.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   const int64_t tiles = (R + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, std::max<int64_t>(1, grain_rows(C) / kTileRows), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r0 = t * kTileRows, nr = std::min(kTileRows, R - r0);
-      tile_row_dots(xp + r0 * ldx, ldx, nr, ap, lda, k, C, hp + r0 * k, k);
+      const TileRows xr = tile_rows(x, r0, nr, buf);
+      tile_row_dots(xr.p, xr.ld, nr, ap, lda, k, C, hp + r0 * k, k);
     }
   });
   return h;
+}
+
+// dA [k, C] = s·Σ_rows g[row] ⊗ x[row] for rows x [R, C] (float32 or bfloat16, as lowrank_rows takes them) and their
+// rank-space gradient g [R, k] (any strides): a LoRA layer's A gradient, summed over kGradBlockRows-row blocks added in
+// block order, where a thin [k, R]·[R, C] product (MKL) read a widened copy of x (o_proj's bf16 rows).
+at::Tensor lowrank_a_grads(const at::Tensor& x, const at::Tensor& g, double s_d) {
+  check_any_rows(x, "x");
+  const int64_t R = x.size(0), C = x.size(1);
+  TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == R && g.size(1) > 0 && g.scalar_type() == at::kFloat,
+              "g must be a float32 [", R, ", k] matrix, got ", g.sizes(), " ", g.scalar_type());
+  const int64_t k = g.size(1), gs0 = g.stride(0), gs1 = g.stride(1);
+  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
+  at::Tensor part = at::empty({blocks, k * C}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf, hk(static_cast<size_t>(kTileRows * k));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
+        const int64_t nr = std::min(kTileRows, R - r0);
+        const TileRows xr = tile_rows(x, r0, nr, buf);
+        for (int64_t i = 0; i < nr; ++i) {
+          for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
+        }
+        accumulate_tile_outer(xr.p, xr.ld, nr, hk.data(), k, pp + blk * k * C, C, C, r0 == blk * kGradBlockRows);
+      }
+    }
+  });
+  at::Tensor out = at::empty({k, C}, g.options());
+  add_block_partials(pp, blocks, k * C, k * C, s_d, out.data_ptr<float>());
+  return out;
 }
 
 // y [M, N] bfloat16 = x·wᵀ for a few rows x [M, K] (float32 rounded to bfloat16 as the bf16 GEMM takes them, or
@@ -2107,6 +2170,7 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
   m.def("add_lowrank_(Tensor(a!) y, Tensor h, Tensor m, float s) -> Tensor(a!)", &add_lowrank_);
   m.def("lowrank_rows(Tensor x, Tensor a) -> Tensor", &lowrank_rows);
+  m.def("lowrank_a_grads(Tensor x, Tensor g, float s) -> Tensor", &lowrank_a_grads);
   m.def("small_rows_bf16(Tensor x, Tensor w) -> Tensor", &small_rows_bf16);
   m.def("quantize_rows_i8(Tensor a, Tensor c) -> (Tensor, Tensor)", &quantize_rows_i8);
   m.def("int8_rescale(Tensor acc, Tensor s, Tensor c, Tensor bias) -> Tensor", &int8_rescale);

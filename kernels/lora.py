@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
-from lorad.kernels.fused import add_lowrank_, lora_out_grads, lowrank_rows, widen_lowrank
+from lorad.kernels.fused import add_lowrank_, lora_out_grads, lowrank_a_grads, lowrank_rows, widen_lowrank
 from lorad.kernels.queue import NpuQueue, queue_for
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm
 
@@ -59,18 +59,18 @@ class _LoRAFrozenFn(torch.autograd.Function):
         training: bool,
     ) -> Tensor:
         rows = x.reshape(-1, frozen.in_features).contiguous()
-        x2 = rows.float()  # rows itself when fp32
-        # Rows narrower than fp32 (the bf16 attention's output) go to a torch frozen product as they are, and are
-        # what is saved (widening them again is exact); other backends take fp32. A torch bf16 GEMM's product is
-        # widened below with the LoRA term added in the same pass.
+        # Rows narrower than fp32 (the bf16 attention's output) go to a torch frozen product and to the LoRA kernels
+        # (which widen a tile at a time) as they are, and are what is saved (widening them is exact); other backends
+        # take fp32. A torch bf16 GEMM's product is widened below with the LoRA term added in the same pass.
         gemm = bf16_gemm(frozen)
         fut = None
         if gemm is None:
-            fut = queue.submit(frozen.forward, rows if isinstance(frozen, TorchFrozenLinear) else x2)
+            fut = queue.submit(frozen.forward, rows if isinstance(frozen, TorchFrozenLinear) else rows.float())
         # CPU side while the frozen product runs: s·(drop(x)·Aᵀ)·Bᵀ.
         mask = None
-        xd = x2
+        xd = rows
         if dropout > 0.0 and training:
+            x2 = rows.float()
             mask = torch.empty_like(x2).bernoulli_(1.0 - dropout).div_(1.0 - dropout)
             xd = x2 * mask
         h = lowrank_rows(xd, lora_a)  # [T, r]
@@ -86,8 +86,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        xd, h, lora_a, lora_b, mask = ctx.saved_tensors
-        xd = xd.float()  # exact: the forward's fp32 rows, or the narrower ones it kept
+        xd, h, lora_a, lora_b, mask = ctx.saved_tensors  # xd: the forward's fp32 rows, or the narrower ones it kept
         s = ctx.scaling
         dy2 = rows_fp32(dy, ctx.frozen.out_features)
         need_x = ctx.needs_input_grad[0]
@@ -97,7 +96,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
             fused = lora_out_grads([dy2], h, [lora_b], scaling=s, want_bf16=need_x and gemm is not None)
             if fused is not None:
                 packed, g_rows, (d_b_rows,) = fused
-                d_a_f = (g_rows.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
+                d_a_f = lowrank_a_grads(xd, g_rows, scaling=s) if ctx.needs_input_grad[1] else None
                 dx_f = None
                 if gemm is not None and packed is not None:
                     dx_f = widen_lowrank(gemm.input_grad_product(packed), g_rows, lora_a, scaling=s)
@@ -108,7 +107,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
                 return dx_f, d_a_f, d_b_f, None, None, None, None, None
         g = (lora_b.t() @ dy2.t()).t()  # [T, r] as [r, out]·[out, T]: MKL runs [T, out]·[out, r] at 4-20x the time
         d_b = (h.t() @ dy2).t().mul_(s) if ctx.needs_input_grad[2] else None
-        d_a = (g.t() @ xd).mul_(s) if ctx.needs_input_grad[1] else None
+        d_a = (g.t() @ xd.float()).mul_(s) if ctx.needs_input_grad[1] else None
         dx = None
         if need_x and gemm is not None:
             dx = widen_lowrank(gemm.input_grad_product(dy2), g, lora_a, scaling=s).reshape(ctx.in_shape)

@@ -246,6 +246,31 @@ def test_lowrank_rows_match_the_thin_product(ops: object) -> None:
         ops.lowrank_rows(narrow, a)  # type: ignore[attr-defined]
 
 
+def test_bf16_rows_give_what_their_widened_copy_gives(ops: object) -> None:
+    """o_proj's input is the bf16 attention output: ``lowrank_rows`` and ``lowrank_a_grads`` widen it a tile at a time
+    (exact), so h and dA are the bits the widened copy gives, without the copy."""
+    g = torch.Generator().manual_seed(8)
+    xb = (torch.randn(133, 160, generator=g)[:, :96] * 3).to(torch.bfloat16)  # strided bf16 rows
+    a, gr = torch.randn(8, 96, generator=g), torch.randn(8, 133, generator=g).t()  # g as a transposed view
+    assert torch.equal(fused.lowrank_rows(xb, a), fused.lowrank_rows(xb.float(), a))
+    da = fused.lowrank_a_grads(xb, gr, scaling=0.5)
+    assert da.shape == (8, 96) and torch.equal(da, fused.lowrank_a_grads(xb.float(), gr, scaling=0.5))
+    assert _rel(da, 0.5 * gr.double().t() @ xb.double()) < 1e-6
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fused.lowrank_a_grads(xb, gr, scaling=0.5), da)  # row blocks added in a fixed order
+    finally:
+        torch.set_num_threads(before)
+    with fused.disabled():  # torch's thin products over the widened rows
+        torch.testing.assert_close(fused.lowrank_a_grads(xb, gr, scaling=0.5), da, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.lowrank_rows(xb, a), fused.lowrank_rows(xb.float(), a))
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Half"):
+        ops.lowrank_a_grads(xb.half(), gr, 1.0)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"g must be a float32 \[133, k\] matrix, got \[132, 8\]"):
+        ops.lowrank_a_grads(xb, gr[:132], 1.0)  # type: ignore[attr-defined]
+
+
 # Calls of every kernel that works on 16-float vectors, on seeded operands; run against the native build here and
 # against a build for narrower vectors in a child process (the same text, so the same operands).
 _VECTOR_CASES = """
@@ -266,6 +291,7 @@ def vector_cases(ops, torch):
         ops.lowrank_rows(x, a),
         ops.widen_lowrank(prod, hh, m, torch.empty(0), 1.75),
         ops.add_lowrank_(r(133, 100), hh, m, 1.75),
+        ops.lowrank_a_grads(x.to(torch.bfloat16), h, 0.25),
         packed.float(), rows, *dbs,
         ops.rms_norm_a_grads(x, rstd, w, h, 0.5),
         *[t.float() for t in ops.lora_swiglu_bwd_grads(d, pg, pu, h, r(96, 8), r(96, 4), r(6, 133).t(), 1.5)],
@@ -292,7 +318,7 @@ def test_a_build_for_narrower_vectors_computes_what_the_native_one_does(ops: obj
     exec(_VECTOR_CASES, scope)  # the same text the child ran
     native = scope["vector_cases"](ops, torch)
     narrow = torch.load(out)
-    assert len(native) == len(narrow) == 21
+    assert len(native) == len(narrow) == 22
     for i, (a, b) in enumerate(zip(native, narrow, strict=True)):
         assert a.shape == b.shape and _rel(b, a) < 1e-5, i
 
