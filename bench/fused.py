@@ -49,6 +49,7 @@ def cases(t: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     h, b, prod = r(t, RANK), r(INTERMEDIATE, RANK), r(t, INTERMEDIATE).to(torch.bfloat16)
     _, _, rstd = fused.rms_norm_forward(x, w, 1e-5)
     g_qkv = r(t, 3 * RANK)
+    xb = x.to(torch.bfloat16)
     q, cos, sin = r(1, t, 9, 64), r(t, 64), r(t, 64)  # SmolLM2's q: 9 heads of 64
     dq = r(1, 9, t, 64)
     qa, ka, va, da = r(1, 9, t, 64), r(1, 3, t, 64), r(1, 3, t, 64), r(1, t, 9 * 64)  # 3 KV heads
@@ -99,6 +100,11 @@ def cases(t: int) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
             "rms_norm_a_grads [T, 576] k=24",
             lambda: fused.rms_norm_a_grads(x, rstd, w, g_qkv, scaling=2.0),
             lambda: (g_qkv.t() @ fused.rms_norm_apply(x, rstd, w)).mul_(2.0),
+        ),
+        (  # o_proj's dA from the bf16 attention rows: the thin product over their widened copy
+            "lowrank_a_grads bf16 rows [T, 576] r=8",
+            lambda: fused.lowrank_a_grads(xb, h, scaling=2.0),
+            lambda: (h.t() @ xb.float()).mul_(2.0),
         ),
     ]
 

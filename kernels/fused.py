@@ -425,17 +425,6 @@ def widen_lowrank(prod: Tensor, h: Tensor, m: Tensor, *, scaling: float, bias: T
     return y.addmm_(h, m, alpha=scaling)
 
 
-def add_lowrank_(y: Tensor, h: Tensor, m: Tensor, *, scaling: float) -> Tensor:
-    """``y += scaling·h·m`` in place for float32 rows ``y`` [R, N] and a rank-k term ``h`` [R, k]·``m`` [k, N] (a LoRA
-    layer's term on a frozen output or input gradient another backend or precision computed, an int8 GEMM's): one
-    pass where the kernels run (``y`` with contiguous columns), else torch's ``addmm_``. Returns ``y``."""
-    ops = kernels()
-    if ops is not None and _fp32(y, h, m) and y.stride(1) == 1 and h.shape[1] > 0:
-        out: Tensor = ops.add_lowrank_(y, h, m, float(scaling))
-        return out
-    return y.addmm_(h, m, alpha=scaling)
-
-
 def _fp32(*ts: Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.dim() == 2 for t in ts)
 
@@ -519,9 +508,9 @@ def lora_out_grads(
     [R, out_i], in one pass over each gradient row: the rows side by side in bf16 when ``want_bf16`` (the stacked
     input-gradient GEMM's operand, rounded as ``.to(torch.bfloat16)`` rounds; else None), ``g`` [R, Σr] =
     ``[dy_i·B_i …]`` and each ``dB_i`` [out_i, r_i] = ``s·dy_iᵀ·h_i`` (contiguous, the layout of lora_B), where the
-    thin products read every gradient twice more. None where the kernels do not run this (no
-    build, an output width that is not a multiple of 16, other dtypes or layouts): the caller takes the thin products.
-    The sums run in a fixed order whatever the thread count; they differ from MKL's by float rounding."""
+    thin products read every gradient twice more. None where the kernels do not run this (no build, an output width
+    that is not a multiple of 16, other dtypes or layouts): the caller takes the thin products. The sums run in a
+    fixed order whatever the thread count; they differ from MKL's by float rounding."""
     ops = kernels()
     if ops is None or not all(_rows_ok(d) and d.shape[1] % 16 == 0 for d in dys) or not _fp32(h, *bs):
         return None

@@ -1108,25 +1108,36 @@ at::Tensor int8_rescale(const at::Tensor& acc, const at::Tensor& s, const at::Te
 // gradient, s·g·A) where torch widens, then adds the term through a thin fp32 GEMM that reads and writes [R, N] again.
 // prod: bfloat16 [R, N] with contiguous columns; h: float32 [R, k] and m: float32 [k, N], any strides; bias: float32
 // [N] or empty. Each element's k products are summed in order k = 0, 1, ..., then scaled and added once.
-inline v16 widen16(const float* p) { return vload(p); }
-inline float get(uint16_t v);
-inline float get(float v);
-
-// out[r, c] = (float(in[r, c]) + bias[c]) + s·Σ_k h[r, k]·m[k, c] over row tiles, the rank-k sums of a tile held in
-// registers (lora_tile_sums); in bf16 (a GEMM's product) or float32 (in == out allowed: each element is read before the
-// same thread writes it), ldi/ldo the row strides. bias_row: Np floats (zeros without a bias).
-template <typename In>
-void lowrank_epilogue(const In* pp, int64_t ldp, const at::Tensor& h, const at::Tensor& m, const float* bias_row,
-                      double s_d, float* op, int64_t ldo, int64_t R, int64_t N) {
+at::Tensor widen_lowrank(const at::Tensor& prod, const at::Tensor& h, const at::Tensor& m, const at::Tensor& bias,
+                         double s_d) {
+  TORCH_CHECK(prod.dim() == 2 && prod.scalar_type() == at::kBFloat16 && (prod.stride(1) == 1 || prod.size(1) <= 1),
+              "prod must be a bfloat16 matrix with contiguous columns, got ", prod.sizes(), " ", prod.scalar_type());
+  const int64_t R = prod.size(0), N = prod.size(1), ldp = prod.stride(0);
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == R && h.size(1) > 0 && h.scalar_type() == at::kFloat,
+              "h must be a float32 [", R, ", k] matrix with k > 0, got ", h.sizes(), " ", h.scalar_type());
   const int64_t k = h.size(1);
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == k && m.size(1) == N && m.scalar_type() == at::kFloat,
+              "m must be a float32 [", k, ", ", N, "] matrix, got ", m.sizes(), " ", m.scalar_type());
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat &&
+                            bias.is_contiguous()),
+              "bias must be a contiguous float32 vector of ", N, " elements, got ", bias.sizes(), " ",
+              bias.scalar_type());
+  at::Tensor out = at::empty({R, N}, h.options());
+  if (R == 0 || N == 0) return out;
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(prod.data_ptr<at::BFloat16>());
   const float* hp = h.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
   const int64_t hs0 = h.stride(0), hs1 = h.stride(1), ms0 = m.stride(0), ms1 = m.stride(1);
   const int64_t row_tiles = (R + kTileRows - 1) / kTileRows, col_tiles = (N + kTileCols - 1) / kTileCols;
   const bool m_direct = ms1 == 1 && N % kTileCols == 0;  // m's rows hold whole tiles: the sums read m itself
   const int64_t Np = col_tiles * kTileCols, ldm = m_direct ? ms0 : Np;
   const std::vector<float> padded = m_direct ? std::vector<float>() : padded_rows(m, Np);
   const float* mrows = m_direct ? mp : padded.data();
+  std::vector<float> bias_row(static_cast<size_t>(Np), 0.0f);  // + 0 without a bias: exact
+  for (int64_t c = 0; c < N && bp != nullptr; ++c) bias_row[static_cast<size_t>(c)] = bp[c];
   const float s = static_cast<float>(s_d);
   at::parallel_for(0, row_tiles, std::max<int64_t>(1, grain_rows(N) / kTileRows), [&](int64_t begin, int64_t end) {
     float hrows[kTileRows * 64];
@@ -1145,11 +1156,11 @@ void lowrank_epilogue(const In* pp, int64_t ldp, const at::Tensor& h, const at::
       for (int64_t c0 = 0; c0 < Np; c0 += kTileCols) {
         lora_tile_sums(hr, k, mrows, ldm, c0, acc, kTileCols);
         const int64_t nc = std::min(kTileCols, N - c0);
-        const float* br = bias_row + c0;
+        const float* br = bias_row.data() + c0;
         for (int64_t i = 0; i < nr; ++i) {
-          const In* pr = pp + (r0 + i) * ldp + c0;
+          const uint16_t* pr = pp + (r0 + i) * ldp + c0;
           const float* ar = acc + i * kTileCols;
-          float* orow = op + (r0 + i) * ldo + c0;
+          float* orow = op + (r0 + i) * N + c0;
           if (nc == kTileCols) {  // a whole tile: vectors
             for (int64_t half = 0; half < kTileCols; half += 16) {
               v16 y = widen16(pr + half);
@@ -1158,57 +1169,13 @@ void lowrank_epilogue(const In* pp, int64_t ldp, const at::Tensor& h, const at::
               vstore(orow + half, y);
             }
           } else {
-            for (int64_t c = 0; c < nc; ++c) orow[c] = (get(pr[c]) + br[c]) + s * ar[c];
+            for (int64_t c = 0; c < nc; ++c) orow[c] = (from_bf16(pr[c]) + br[c]) + s * ar[c];
           }
         }
       }
     }
   });
-}
-
-void check_lowrank(const at::Tensor& h, const at::Tensor& m, int64_t R, int64_t N) {
-  TORCH_CHECK(h.dim() == 2 && h.size(0) == R && h.size(1) > 0 && h.scalar_type() == at::kFloat,
-              "h must be a float32 [", R, ", k] matrix with k > 0, got ", h.sizes(), " ", h.scalar_type());
-  const int64_t k = h.size(1);
-  TORCH_CHECK(m.dim() == 2 && m.size(0) == k && m.size(1) == N && m.scalar_type() == at::kFloat,
-              "m must be a float32 [", k, ", ", N, "] matrix, got ", m.sizes(), " ", m.scalar_type());
-}
-
-at::Tensor widen_lowrank(const at::Tensor& prod, const at::Tensor& h, const at::Tensor& m, const at::Tensor& bias,
-                         double s_d) {
-  TORCH_CHECK(prod.dim() == 2 && prod.scalar_type() == at::kBFloat16 && (prod.stride(1) == 1 || prod.size(1) <= 1),
-              "prod must be a bfloat16 matrix with contiguous columns, got ", prod.sizes(), " ", prod.scalar_type());
-  const int64_t R = prod.size(0), N = prod.size(1), ldp = prod.stride(0);
-  check_lowrank(h, m, R, N);
-  const bool has_bias = bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == at::kFloat &&
-                            bias.is_contiguous()),
-              "bias must be a contiguous float32 vector of ", N, " elements, got ", bias.sizes(), " ",
-              bias.scalar_type());
-  at::Tensor out = at::empty({R, N}, h.options());
-  if (R == 0 || N == 0) return out;
-  const int64_t Np = (N + kTileCols - 1) / kTileCols * kTileCols;
-  std::vector<float> bias_row(static_cast<size_t>(Np), 0.0f);  // + 0 without a bias: exact
-  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
-  for (int64_t c = 0; c < N && bp != nullptr; ++c) bias_row[static_cast<size_t>(c)] = bp[c];
-  lowrank_epilogue(reinterpret_cast<const uint16_t*>(prod.data_ptr<at::BFloat16>()), ldp, h, m, bias_row.data(), s_d,
-                   out.data_ptr<float>(), N, R, N);
   return out;
-}
-
-// y += s·h·m in place for float32 rows y [R, N] (contiguous columns): the rank-k term of a LoRA layer added to a
-// frozen output or input gradient another backend or precision computed (an int8 GEMM's), in one pass where torch's
-// addmm_ ran MKL's thin product (in a SmolLM2 step about 190 us at [240, 1536], Zen 5).
-at::Tensor& add_lowrank_(at::Tensor& y, const at::Tensor& h, const at::Tensor& m, double s_d) {
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && (y.stride(1) == 1 || y.size(1) <= 1),
-              "y must be a float32 matrix with contiguous columns, got ", y.sizes(), " ", y.scalar_type());
-  const int64_t R = y.size(0), N = y.size(1);
-  check_lowrank(h, m, R, N);
-  if (R == 0 || N == 0) return y;
-  const std::vector<float> zeros(static_cast<size_t>((N + kTileCols - 1) / kTileCols * kTileCols), 0.0f);
-  float* yp = y.data_ptr<float>();
-  lowrank_epilogue(static_cast<const float*>(yp), y.stride(0), h, m, zeros.data(), s_d, yp, y.stride(0), R, N);
-  return y;
 }
 
 inline void put(uint16_t* p, float v) { *p = to_bf16(v); }
@@ -2168,7 +2135,6 @@ TORCH_LIBRARY(lorad_fused, m) {
   m.def("lora_out_grads(Tensor[] dys, Tensor h, Tensor[] bs, float s, bool want_bf16) -> (Tensor, Tensor, Tensor[])",
         &lora_out_grads);
   m.def("widen_lowrank(Tensor prod, Tensor h, Tensor m, Tensor bias, float s) -> Tensor", &widen_lowrank);
-  m.def("add_lowrank_(Tensor(a!) y, Tensor h, Tensor m, float s) -> Tensor(a!)", &add_lowrank_);
   m.def("lowrank_rows(Tensor x, Tensor a) -> Tensor", &lowrank_rows);
   m.def("lowrank_a_grads(Tensor x, Tensor g, float s) -> Tensor", &lowrank_a_grads);
   m.def("small_rows_bf16(Tensor x, Tensor w) -> Tensor", &small_rows_bf16);

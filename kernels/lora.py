@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from lorad.kernels.frozen import FrozenLinear
-from lorad.kernels.fused import add_lowrank_, lora_out_grads, lowrank_a_grads, lowrank_rows, widen_lowrank
+from lorad.kernels.fused import lora_out_grads, lowrank_a_grads, lowrank_rows, widen_lowrank
 from lorad.kernels.queue import NpuQueue, queue_for
 from lorad.kernels.torch_backend import TorchFrozenLinear, bf16_gemm
 
@@ -78,7 +78,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
             y = widen_lowrank(gemm.bf16_product(rows), h, lora_b.t(), scaling=scaling, bias=gemm.bias)
         else:
             assert fut is not None
-            y = add_lowrank_(fut.result(), h, lora_b.t(), scaling=scaling)
+            y = fut.result().addmm_(h, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(rows if mask is None else xd, h, lora_a, lora_b, mask)
         ctx.frozen, ctx.queue, ctx.scaling = frozen, queue, scaling
         ctx.in_shape = x.shape
@@ -101,7 +101,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
                 if gemm is not None and packed is not None:
                     dx_f = widen_lowrank(gemm.input_grad_product(packed), g_rows, lora_a, scaling=s)
                 elif fut is not None:  # another backend's (or precision's) input gradient, the LoRA part added to it
-                    dx_f = add_lowrank_(fut.result(), g_rows, lora_a, scaling=s)
+                    dx_f = fut.result().addmm_(g_rows, lora_a, alpha=s)
                 dx_f = None if dx_f is None else dx_f.reshape(ctx.in_shape)
                 d_b_f = d_b_rows if ctx.needs_input_grad[2] else None
                 return dx_f, d_a_f, d_b_f, None, None, None, None, None
@@ -114,7 +114,7 @@ class _LoRAFrozenFn(torch.autograd.Function):
         elif fut is not None:
             dx = fut.result()
             if mask is None:
-                add_lowrank_(dx, g, lora_a, scaling=s)  # the LoRA part added in one pass: no [T, in] temporary
+                dx.addmm_(g, lora_a, alpha=s)  # the LoRA part added by the GEMM itself: no [T, in] temporary
             else:
                 dx.add_((g @ lora_a).mul_(s).mul_(mask))
             dx = dx.reshape(ctx.in_shape)

@@ -26,7 +26,6 @@ from torch import Tensor
 
 from lorad.kernels.fused import (
     SMALL_ROWS,
-    add_lowrank_,
     kernels,
     lora_group_backward,
     lora_group_forward,
@@ -199,7 +198,7 @@ def _add_lora(m: LoRALinear, y: Tensor, h: Tensor, o: int) -> Tensor:
         g = _bf16_gemm(m)
         assert g is not None, f"{m.frozen.name}: a bf16 result from a layer whose forward is no bf16 GEMM"
         return widen_lowrank(y, hm, bt, scaling=m.scaling, bias=g.bias)
-    return add_lowrank_(y, hm, bt, scaling=m.scaling)
+    return y.addmm_(hm, bt, alpha=m.scaling)
 
 
 def backward(
@@ -255,7 +254,7 @@ def backward_parts(
             prod = joint_input_grad_product(joint, dys, packed=packed if dys_bf16 is None else dys_bf16)
             dx_f = widen_lowrank(prod, g_rows, _stacked_a(members), scaling=s)
         elif need_x:
-            dx_f = add_lowrank_(_summed(futs), g_rows, _stacked_a(members), scaling=s)
+            dx_f = _summed(futs).addmm_(g_rows, _stacked_a(members), alpha=s)
         return dx_f, g_rows.t(), d_bs
     total_r = sum(m.rank for m in members)
     g = torch.empty(total_r, h.shape[0], dtype=torch.float32)  # [Σr, T]: row block i is (dy_i·B_i)ᵀ
@@ -269,7 +268,7 @@ def backward_parts(
         if joint is not None:  # the LoRA part added as the product is widened: no separate pass over dX
             dx = widen_lowrank(joint_input_grad_product(joint, dys, packed=dys_bf16), g.t(), a_cat, scaling=s)
         else:
-            dx = add_lowrank_(_summed(futs), g.t(), a_cat, scaling=s)
+            dx = _summed(futs).addmm_(g.t(), a_cat, alpha=s)
     return dx, g, d_b
 
 
