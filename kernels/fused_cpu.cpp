@@ -807,70 +807,11 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_out_grads(at::T
   return {packed, g, dbs};
 }
 
-// dA [k, C] = s·Σ_rows g[row]ᵀ ⊗ y[row] for y = rms_norm_apply(x, rstd, w) (the same expression, so the same bits),
-// recomputed a tile of rows at a time and never written out: the LoRA A gradients of the layers that read the normed
-// rows, g [R, k] their rank-space gradient (any strides). C must be a multiple of 16; the sums over rows run in
-// kGradBlockRows-row blocks added in block order.
-at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& w, const at::Tensor& g,
-                            double s_d) {
-  check_rows(x, "x");
-  const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0);
-  check_weight(w, C);
-  check_rstd(rstd, R);
-  TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
-  TORCH_CHECK(g.dim() == 2 && g.size(0) == R && g.size(1) > 0 && g.scalar_type() == at::kFloat,
-              "g must be a float32 [", R, ", k] matrix, got ", g.sizes(), " ", g.scalar_type());
-  const int64_t k = g.size(1), gs0 = g.stride(0), gs1 = g.stride(1);
-  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
-  at::Tensor part = at::empty({blocks, k * C}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* rp = rstd.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
-  float* pp = part.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const float* wl = wp;
-    std::vector<float> y(static_cast<size_t>(kTileRows * C)), hk(static_cast<size_t>(kTileRows * k));
-    for (int64_t blk = begin; blk < end; ++blk) {
-      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
-        const int64_t nr = std::min(kTileRows, R - r0);
-        for (int64_t i = 0; i < nr; ++i) {
-          normed_row(xp + (r0 + i) * ldx, rp[r0 + i], wl, y.data() + i * C, C);
-          for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
-        }
-        accumulate_tile_outer(y.data(), C, nr, hk.data(), k, pp + blk * k * C, C, C, r0 == blk * kGradBlockRows);
-      }
-    }
-  });
-  at::Tensor out = at::empty({k, C}, x.options());
-  float* op = out.data_ptr<float>();
-  add_block_partials(pp, blocks, k * C, k * C, s_d, op);
-  return out;
-}
-
-// h [R, k] = x·aᵀ for rows x [R, C] (float32, contiguous columns, any row stride) and a [k, C] (float32, contiguous
-// columns, any row stride): the rank-space rows of LoRA layers reading x (a: their A, stacked), each of the k dot
-// products summed in 16 lanes over C (a multiple of 16), the lanes then in order. Every row is one thread's.
-// Rows of x (float32, or bfloat16 widened into buf, exactly, a tile at a time) from row r0 on: where the tile's nr
-// rows start and their stride.
+// The rows of a tile: where its nr rows start and their stride.
 struct TileRows {
   const float* p;
   int64_t ld;
 };
-
-TileRows tile_rows(const at::Tensor& x, int64_t r0, int64_t nr, std::vector<float>& buf) {
-  const int64_t C = x.size(1), ldx = x.stride(0);
-  if (x.scalar_type() == at::kFloat) return {x.data_ptr<float>() + r0 * ldx, ldx};
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r0 * ldx;
-  buf.resize(static_cast<size_t>(kTileRows * C));
-  for (int64_t i = 0; i < nr; ++i) {
-    float* o = buf.data() + i * C;
-    const uint16_t* xr = xp + i * ldx;
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) o[c] = from_bf16(xr[c]);
-  }
-  return {buf.data(), C};
-}
 
 void check_any_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
@@ -879,6 +820,83 @@ void check_any_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(1) == 1 || t.size(1) <= 1, name, " must have contiguous columns (stride(1) == 1)");
 }
 
+// x's nr rows from row r0 (float32 read in place, or bfloat16 widened into buf, kTileRows rows of C floats: exact).
+TileRows tile_rows(const at::Tensor& x, int64_t r0, int64_t nr, float* buf) {
+  const int64_t C = x.size(1), ldx = x.stride(0);
+  if (x.scalar_type() == at::kFloat) return {x.data_ptr<float>() + r0 * ldx, ldx};
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r0 * ldx;
+  for (int64_t i = 0; i < nr; ++i) {
+    float* o = buf + i * C;
+    const uint16_t* xr = xp + i * ldx;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) o[c] = from_bf16(xr[c]);
+  }
+  return {buf, C};
+}
+
+// dA [k, C] = s·Σ_rows g[row] ⊗ y[row] for g [R, k] (float32, any strides) and the rows y that tile(r0, nr, buf) gives a
+// tile at a time (read in place, or written into buf: kTileRows rows of C floats, the thread's own), never a whole
+// [R, C] copy: the LoRA A gradient of the layers reading y. C must be a multiple of 16; the sums over rows run in
+// kGradBlockRows-row blocks added in block order, so the bits do not depend on the thread count.
+template <typename Tile>
+at::Tensor a_grads_by_tiles(int64_t R, int64_t C, const at::Tensor& g, double s_d, const Tile& tile) {
+  TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == R && g.size(1) > 0 && g.scalar_type() == at::kFloat,
+              "g must be a float32 [", R, ", k] matrix, got ", g.sizes(), " ", g.scalar_type());
+  const int64_t k = g.size(1), gs0 = g.stride(0), gs1 = g.stride(1);
+  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
+  at::Tensor part = at::empty({blocks, k * C}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(kTileRows * C)), hk(static_cast<size_t>(kTileRows * k));
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
+        const int64_t nr = std::min(kTileRows, R - r0);
+        const TileRows y = tile(r0, nr, buf.data());
+        for (int64_t i = 0; i < nr; ++i) {
+          for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
+        }
+        accumulate_tile_outer(y.p, y.ld, nr, hk.data(), k, pp + blk * k * C, C, C, r0 == blk * kGradBlockRows);
+      }
+    }
+  });
+  at::Tensor out = at::empty({k, C}, g.options());
+  add_block_partials(pp, blocks, k * C, k * C, s_d, out.data_ptr<float>());
+  return out;
+}
+
+// dA [k, C] = s·Σ_rows g[row] ⊗ y[row] for y = rms_norm_apply(x, rstd, w) (the same expression, so the same bits),
+// recomputed a tile of rows at a time and never written out: the LoRA A gradients of the layers that read the normed
+// rows, g [R, k] their rank-space gradient (any strides).
+at::Tensor rms_norm_a_grads(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& w, const at::Tensor& g,
+                            double s_d) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), C = x.size(1), ldx = x.stride(0);
+  check_weight(w, C);
+  check_rstd(rstd, R);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  return a_grads_by_tiles(R, C, g, s_d, [&](int64_t r0, int64_t nr, float* buf) {
+    const float* wl = wp;
+    for (int64_t i = 0; i < nr; ++i) normed_row(xp + (r0 + i) * ldx, rp[r0 + i], wl, buf + i * C, C);
+    return TileRows{buf, C};
+  });
+}
+
+// dA [k, C] = s·Σ_rows g[row] ⊗ x[row] for rows x [R, C] (float32, or bfloat16 widened a tile at a time) and their
+// rank-space gradient g [R, k] (any strides): a LoRA layer's A gradient, where a thin [k, R]·[R, C] product (MKL) read
+// a widened copy of x (o_proj's bf16 rows).
+at::Tensor lowrank_a_grads(const at::Tensor& x, const at::Tensor& g, double s_d) {
+  check_any_rows(x, "x");
+  return a_grads_by_tiles(x.size(0), x.size(1), g, s_d,
+                          [&](int64_t r0, int64_t nr, float* buf) { return tile_rows(x, r0, nr, buf); });
+}
+
+// h [R, k] = x·aᵀ for rows x [R, C] (float32, contiguous columns, any row stride) and a [k, C] (float32, contiguous
+// columns, any row stride): the rank-space rows of LoRA layers reading x (a: their A, stacked), each of the k dot
+// products summed in 16 lanes over C (a multiple of 16), the lanes then in order. Every row is one thread's.
 // h [R, k] = x·aᵀ for rows x [R, C] (float32, or bfloat16 widened a tile at a time: the bf16 attention output o_proj
 // reads, no widened copy; contiguous columns, any row stride) and a [k, C] (float32, contiguous columns).
 at::Tensor lowrank_rows(const at::Tensor& x, const at::Tensor& a) {
@@ -892,47 +910,16 @@ at::Tensor lowrank_rows(const at::Tensor& x, const at::Tensor& a) {
   float* hp = h.data_ptr<float>();
   const int64_t tiles = (R + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, std::max<int64_t>(1, grain_rows(C) / kTileRows), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
+    std::vector<float> buf(x.scalar_type() == at::kFloat ? 0 : static_cast<size_t>(kTileRows * C));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r0 = t * kTileRows, nr = std::min(kTileRows, R - r0);
-      const TileRows xr = tile_rows(x, r0, nr, buf);
+      const TileRows xr = tile_rows(x, r0, nr, buf.data());
       tile_row_dots(xr.p, xr.ld, nr, ap, lda, k, C, hp + r0 * k, k);
     }
   });
   return h;
 }
 
-// dA [k, C] = s·Σ_rows g[row] ⊗ x[row] for rows x [R, C] (float32 or bfloat16, as lowrank_rows takes them) and their
-// rank-space gradient g [R, k] (any strides): a LoRA layer's A gradient, summed over kGradBlockRows-row blocks added in
-// block order, where a thin [k, R]·[R, C] product (MKL) read a widened copy of x (o_proj's bf16 rows).
-at::Tensor lowrank_a_grads(const at::Tensor& x, const at::Tensor& g, double s_d) {
-  check_any_rows(x, "x");
-  const int64_t R = x.size(0), C = x.size(1);
-  TORCH_CHECK(C % 16 == 0, "the row width must be a multiple of 16, got ", C);
-  TORCH_CHECK(g.dim() == 2 && g.size(0) == R && g.size(1) > 0 && g.scalar_type() == at::kFloat,
-              "g must be a float32 [", R, ", k] matrix, got ", g.sizes(), " ", g.scalar_type());
-  const int64_t k = g.size(1), gs0 = g.stride(0), gs1 = g.stride(1);
-  const int64_t blocks = (R + kGradBlockRows - 1) / kGradBlockRows;
-  at::Tensor part = at::empty({blocks, k * C}, g.options());
-  const float* gp = g.data_ptr<float>();
-  float* pp = part.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf, hk(static_cast<size_t>(kTileRows * k));
-    for (int64_t blk = begin; blk < end; ++blk) {
-      for (int64_t r0 = blk * kGradBlockRows; r0 < std::min(R, (blk + 1) * kGradBlockRows); r0 += kTileRows) {
-        const int64_t nr = std::min(kTileRows, R - r0);
-        const TileRows xr = tile_rows(x, r0, nr, buf);
-        for (int64_t i = 0; i < nr; ++i) {
-          for (int64_t kk = 0; kk < k; ++kk) hk[static_cast<size_t>(i * k + kk)] = gp[(r0 + i) * gs0 + kk * gs1];
-        }
-        accumulate_tile_outer(xr.p, xr.ld, nr, hk.data(), k, pp + blk * k * C, C, C, r0 == blk * kGradBlockRows);
-      }
-    }
-  });
-  at::Tensor out = at::empty({k, C}, g.options());
-  add_block_partials(pp, blocks, k * C, k * C, s_d, out.data_ptr<float>());
-  return out;
-}
 
 // y [M, N] bfloat16 = x·wᵀ for a few rows x [M, K] (float32 rounded to bfloat16 as the bf16 GEMM takes them, or
 // bfloat16; contiguous columns, any row stride) and a bf16 weight w [N, K] (contiguous): what generation runs per token
