@@ -834,9 +834,9 @@ TileRows tile_rows(const at::Tensor& x, int64_t r0, int64_t nr, float* buf) {
   return {buf, C};
 }
 
-// dA [k, C] = s·Σ_rows g[row] ⊗ y[row] for g [R, k] (float32, any strides) and the rows y that tile(r0, nr, buf) gives a
-// tile at a time (read in place, or written into buf: kTileRows rows of C floats, the thread's own), never a whole
-// [R, C] copy: the LoRA A gradient of the layers reading y. C must be a multiple of 16; the sums over rows run in
+// dA [k, C] = s·Σ_rows g[row] ⊗ y[row] for g [R, k] (float32, any strides) and the rows y that tile(r0, nr, buf)
+// gives a tile at a time (read in place, or written into buf: kTileRows rows of C floats, the thread's own), never a
+// whole [R, C] copy: the LoRA A gradient of the layers reading y. C must be a multiple of 16; the sums over rows run in
 // kGradBlockRows-row blocks added in block order, so the bits do not depend on the thread count.
 template <typename Tile>
 at::Tensor a_grads_by_tiles(int64_t R, int64_t C, const at::Tensor& g, double s_d, const Tile& tile) {
@@ -2010,7 +2010,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_f32_bwd(const at
   return {dq, dk, dv};
 }
 
-// ---- the LoRA SwiGLU node in two calls --------------------------------------------------------------------------
+// ---- the LoRA SwiGLU node, one call a direction ------------------------------------------------------------------
 // server/engine/models/mlp.py's node for its common case (gate/up stacked bf16 GEMMs, down a bf16 GEMM, no biases,
 // the block's RMSNorm inside): the same kernels and ATen GEMMs on the same operands, in the same order, as its Python
 // composition (lora_group.py), so the same bits, without ~30 Python calls and ~20 dispatches from Python per
@@ -2058,18 +2058,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dx, da_gu, db_g, db_u, da_d, db_d[0]};
 }
 
-// ---- layers reading one normed input in two calls ---------------------------------------------------------------
+// ---- layers reading one normed input, one call a direction -------------------------------------------------------
 // lora_group.py's node (q/k/v) for its common case: the members' bf16 weights stacked into w [Σout, C] (bf16), the
 // block's RMSNorm inside, the kernels taking every width. The same kernels and GEMMs, in the node's order, as its
 // Python composition. a = [A_1; …] [Σr, C]; biases[i] empty where member i has none.
 
 // (each member's output [R, out_i], rstd [R, 1], h [R, Σr])
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> lora_group_fwd(const at::Tensor& x, const at::Tensor& norm_w,
-                                                                           double eps, const at::Tensor& w,
-                                                                           const at::Tensor& a, at::TensorList bs,
-                                                                           at::TensorList biases, double s) {
-  TORCH_CHECK(!bs.empty() && bs.size() == biases.size(), "one lora_B and one bias (or an empty tensor) per member: got ",
-              bs.size(), " and ", biases.size());
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> lora_group_fwd(
+    const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& w, const at::Tensor& a,
+    at::TensorList bs, at::TensorList biases, double s) {
+  TORCH_CHECK(!bs.empty() && bs.size() == biases.size(),
+              "one lora_B and one bias (or an empty tensor) per member: got ", bs.size(), " and ", biases.size());
   auto [x2, x2b, rstd] = rms_norm_fwd(x, norm_w, eps, true);
   const at::Tensor prod = at::mm(x2b, w.t());
   const at::Tensor h = lowrank_rows(x2, a);
@@ -2088,11 +2087,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> lora_group_fwd(const
 
 // The backward from the members' output gradients dys[i] [R, out_i] (float32 rows) and what lora_group_fwd saved:
 // (dx [R, C], or an empty tensor without need_x; dA [Σr, C]; each dB_i [out_i, r_i]).
-std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_group_bwd(at::TensorList dys, const at::Tensor& x,
-                                                                           const at::Tensor& rstd,
-                                                                           const at::Tensor& norm_w, const at::Tensor& w,
-                                                                           const at::Tensor& a, at::TensorList bs,
-                                                                           const at::Tensor& h, double s, bool need_x) {
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> lora_group_bwd(
+    at::TensorList dys, const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& norm_w, const at::Tensor& w,
+    const at::Tensor& a, at::TensorList bs, const at::Tensor& h, double s, bool need_x) {
   auto [packed, g_rows, dbs] = lora_out_grads(dys, h, bs, s, need_x);
   at::Tensor dx = need_x ? rms_norm_bwd(widen_lowrank(at::mm(packed, w), g_rows, a, at::empty({0}, x.options()), s),
                                         x, rstd, norm_w)

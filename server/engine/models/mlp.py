@@ -91,8 +91,8 @@ class _LoRASwiGLU(torch.autograd.Function):
         del params  # read from the layers (the same tensors), passed only so autograd tracks them
         gate_l, up_l, down_l = layers
         ctx.layers, ctx.norm, ctx.in_shape = layers, norm, x.shape
-        weights = _two_calls(layers, norm, x)
-        ctx.two_calls = weights
+        weights = _one_call_weights(layers, norm, x)
+        ctx.one_call = weights
         if weights is not None:  # the whole node in one kernel call a direction (fused.lora_mlp_forward)
             x2d = x.reshape(-1, x.shape[-1])
             a_gu = torch.cat([gate_l.lora_A, up_l.lora_A]).detach()
@@ -130,8 +130,8 @@ class _LoRASwiGLU(torch.autograd.Function):
         gate_l, up_l, down_l = ctx.layers
         dout2 = rows_fp32(dout, down_l.out_features)
         need_x = ctx.needs_input_grad[2]
-        if ctx.two_calls is not None:
-            w_gu, w_d = ctx.two_calls
+        if ctx.one_call is not None:
+            w_gu, w_d = ctx.one_call
             dx, d_a_gu, d_b_g, d_b_u, d_a_d, d_b_d = lora_mlp_backward(
                 dout2, ctx.saved_tensors, ctx.norm, w_gu, _lora_bs(gate_l, up_l), w_d, down_l.lora_A.detach(),
                 down_l.lora_B.detach(), scaling=gate_l.scaling, need_x=need_x,
@@ -177,16 +177,16 @@ class _LoRASwiGLU(torch.autograd.Function):
         return None, None, dx_in, d_a_g, d_a_u, d_a_d, d_b_g, d_b_u, d_b_d
 
 
-def _two_calls(
+def _one_call_weights(
     layers: tuple[LoRALinear, LoRALinear, LoRALinear], norm: RMSNorm | None, x: Tensor
 ) -> tuple[Tensor, Tensor] | None:
     """(gate/up's stacked bf16 weight, down's bf16 weight) when the node runs as one kernel call a direction
-    (``fused.lora_mlp_forward``): gate/up as ``lora_group.one_call_weight`` takes them, down at bf16 both ways and
-    its rows a multiple of 16 wide, no biases. Else None: the Python composition below runs."""
+    (``fused.lora_mlp_forward``): gate/up as ``lora_group.one_call_weight`` takes them (their widths and x's a
+    multiple of 16), down at bf16 both ways, no biases. Else None: the Python composition below runs."""
     gate_l, up_l, down_l = layers
     w_gu = one_call_weight((gate_l, up_l), norm, x)
     w_d = joint_bf16([down_l.frozen])
-    if w_gu is None or w_d is None or any(m.frozen.bias is not None for m in layers) or gate_l.out_features % 16:
+    if w_gu is None or w_d is None or any(m.frozen.bias is not None for m in layers):
         return None
     return (w_gu, w_d) if all(p.dtype == torch.float32 for p in (down_l.lora_A, down_l.lora_B)) else None
 

@@ -89,7 +89,7 @@ def test_a_node_in_one_kernel_call_a_direction_gives_its_python_compositions_bit
     if fused.kernels() is None:
         pytest.skip(f"fused kernels not built here: {fused.describe()[1]}")
     path = hf_dirs[arch]
-    mod, entry, switch = (mlp, "lora_mlp_forward", "_two_calls") if node == "mlp" else (
+    mod, entry, switch = (mlp, "lora_mlp_forward", "_one_call_weights") if node == "mlp" else (
         lora_group, "lora_group_forward", "one_call_weight")  # fmt: skip
     calls = {"n": 0}
     real = getattr(mod, entry)
