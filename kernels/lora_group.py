@@ -184,6 +184,12 @@ def _bf16_gemm(m: LoRALinear) -> TorchFrozenLinear | None:
     return bf16_gemm(m.frozen)
 
 
+def gemm_bias(m: LoRALinear) -> Tensor | None:
+    """The bias of ``m``'s frozen torch bf16 GEMM (None without one, or where the forward is another product)."""
+    g = _bf16_gemm(m)
+    return None if g is None else g.bias
+
+
 def _offsets(members: Sequence[LoRALinear]) -> list[int]:
     """Each member's first column in the stacked ``h``."""
     return list(itertools.accumulate((m.rank for m in members[:-1]), initial=0))
@@ -377,7 +383,7 @@ class _SharedInputFn(torch.autograd.Function):
             assert norm is not None
             x2d = x.reshape(-1, x.shape[-1])
             a = _stacked_a(members)
-            biases = [m.frozen.bias for m in members]
+            biases = [gemm_bias(m) for m in members]
             got = lora_group_forward(x2d, norm, ctx.one_call, a, _bs(members), biases, scaling=members[0].scaling)
             assert got is not None
             outs, rstd, h = got

@@ -60,6 +60,7 @@ from lorad.kernels.lora_group import (
     bf16_products,
     finish_forward,
     forward_keeping_products,
+    gemm_bias,
     groupable,
     input_grad_from_rank_rows,
     lora_rows,
@@ -94,6 +95,7 @@ class _LoRASwiGLU(torch.autograd.Function):
         weights = _one_call_weights(layers, norm, x)
         ctx.one_call = weights
         if weights is not None:  # the whole node in one kernel call a direction (fused.lora_mlp_forward)
+            assert norm is not None
             x2d = x.reshape(-1, x.shape[-1])
             a_gu = torch.cat([gate_l.lora_A, up_l.lora_A]).detach()
             got = lora_mlp_forward(
@@ -111,15 +113,15 @@ class _LoRASwiGLU(torch.autograd.Function):
             h_gu = lora_rows((gate_l, up_l), x2)
             bs = _lora_bs(gate_l, up_l)
             a_d = down_l.lora_A.detach()
-            act, act_b, h_d = lora_swiglu_forward(
+            act, act_b, h_next = lora_swiglu_forward(
                 prods, h_gu, bs, scaling=gate_l.scaling, want_bf16=want_act_b, a_next=a_d
             )
             kept = prods
         else:
             (gate, up), h_gu, kept = forward_keeping_products((gate_l, up_l), x2, x2b)
             act, act_b = swiglu_forward(gate, up, want_bf16=want_act_b)
-            h_d = None
-        (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act, act_b), h=h_d)
+            h_next = None
+        (out,), h_d = finish_forward((down_l,), act, submit_forward((down_l,), act, act_b), h=h_next)
         ctx.save_for_backward(h_gu, h_d, *kept, *saved)
         ctx.kept = len(kept)
         ctx.products = prods is not None
@@ -186,7 +188,7 @@ def _one_call_weights(
     gate_l, up_l, down_l = layers
     w_gu = one_call_weight((gate_l, up_l), norm, x)
     w_d = joint_bf16([down_l.frozen])
-    if w_gu is None or w_d is None or any(m.frozen.bias is not None for m in layers):
+    if w_gu is None or w_d is None or any(gemm_bias(m) is not None for m in layers):
         return None
     return (w_gu, w_d) if all(p.dtype == torch.float32 for p in (down_l.lora_A, down_l.lora_B)) else None
 
