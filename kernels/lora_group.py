@@ -115,7 +115,8 @@ def lora_rows(members: Sequence[LoRALinear], x2: Tensor) -> Tensor:
     return lowrank_rows(x2, _stacked_a(members))
 
 
-def _bs(members: Sequence[LoRALinear]) -> list[Tensor]:
+def lora_bs(members: Sequence[LoRALinear]) -> list[Tensor]:
+    """Each member's ``lora_B``, detached: what the kernels take."""
     return [m.lora_B.detach() for m in members]
 
 
@@ -251,7 +252,7 @@ def backward_parts(
         # contiguous for backends that hand the rows to a runtime (column blocks of [d_gate | d_up] are not)
         futs = [m.queue.submit(m.frozen.input_grad, dy.contiguous()) for m, dy in zip(members, dys, strict=True)]
     # one pass over each dy gives g, dB and (for a stacked bf16 GEMM) its bf16 operand
-    bs = [m.lora_B.detach() for m in members]
+    bs = lora_bs(members)
     fused = lora_out_grads(dys, h, bs, scaling=s, want_bf16=joint is not None and dys_bf16 is None)
     if fused is not None:
         packed, g_rows, d_bs = fused
@@ -384,7 +385,7 @@ class _SharedInputFn(torch.autograd.Function):
             x2d = x.reshape(-1, x.shape[-1])
             a = _stacked_a(members)
             biases = [gemm_bias(m) for m in members]
-            got = lora_group_forward(x2d, norm, ctx.one_call, a, _bs(members), biases, scaling=members[0].scaling)
+            got = lora_group_forward(x2d, norm, ctx.one_call, a, lora_bs(members), biases, scaling=members[0].scaling)
             assert got is not None
             outs, rstd, h = got
             ctx.save_for_backward(x2d, rstd, h, a)
@@ -400,7 +401,7 @@ class _SharedInputFn(torch.autograd.Function):
         dys2 = [rows_fp32(dy, m.out_features) for m, dy in zip(members, dys, strict=True)]
         if ctx.one_call is not None:
             dx2, d_a_cat, d_b = lora_group_backward(
-                dys2, ctx.saved_tensors, norm, ctx.one_call, _bs(members), scaling=members[0].scaling,
+                dys2, ctx.saved_tensors, norm, ctx.one_call, lora_bs(members), scaling=members[0].scaling,
                 need_x=ctx.needs_input_grad[2],
             )  # fmt: skip
             d_a = [d_a_cat[o : o + m.rank] for m, o in zip(members, _offsets(members), strict=True)]

@@ -63,6 +63,7 @@ from lorad.kernels.lora_group import (
     gemm_bias,
     groupable,
     input_grad_from_rank_rows,
+    lora_bs,
     lora_rows,
     norm_input_grad,
     normed_rows,
@@ -99,7 +100,7 @@ class _LoRASwiGLU(torch.autograd.Function):
             x2d = x.reshape(-1, x.shape[-1])
             a_gu = torch.cat([gate_l.lora_A, up_l.lora_A]).detach()
             got = lora_mlp_forward(
-                x2d, norm, weights[0], a_gu, _lora_bs(gate_l, up_l), weights[1], down_l.lora_A.detach(),
+                x2d, norm, weights[0], a_gu, lora_bs((gate_l, up_l)), weights[1], down_l.lora_A.detach(),
                 down_l.lora_B.detach(), scaling=gate_l.scaling,
             )  # fmt: skip
             assert got is not None
@@ -111,7 +112,7 @@ class _LoRASwiGLU(torch.autograd.Function):
         prods = bf16_products((gate_l, up_l), x2, x2b)
         if prods is not None:  # gate and up stay bf16 products plus LoRA terms, never fp32 tensors
             h_gu = lora_rows((gate_l, up_l), x2)
-            bs = _lora_bs(gate_l, up_l)
+            bs = lora_bs((gate_l, up_l))
             a_d = down_l.lora_A.detach()
             act, act_b, h_next = lora_swiglu_forward(
                 prods, h_gu, bs, scaling=gate_l.scaling, want_bf16=want_act_b, a_next=a_d
@@ -135,7 +136,7 @@ class _LoRASwiGLU(torch.autograd.Function):
         if ctx.one_call is not None:
             w_gu, w_d = ctx.one_call
             dx, d_a_gu, d_b_g, d_b_u, d_a_d, d_b_d = lora_mlp_backward(
-                dout2, ctx.saved_tensors, ctx.norm, w_gu, _lora_bs(gate_l, up_l), w_d, down_l.lora_A.detach(),
+                dout2, ctx.saved_tensors, ctx.norm, w_gu, lora_bs((gate_l, up_l)), w_d, down_l.lora_A.detach(),
                 down_l.lora_B.detach(), scaling=gate_l.scaling, need_x=need_x,
             )  # fmt: skip
             rg = gate_l.rank
@@ -149,7 +150,7 @@ class _LoRASwiGLU(torch.autograd.Function):
             # d_act first (it needs no act), then one pass: [d_gate | d_up], its bf16 copy and, from act, down's dA
             d_act, g_d, (d_b_d,) = backward_parts((down_l,), h_d, [dout2], need_x=True)
             assert d_act is not None
-            bs = _lora_bs(gate_l, up_l)
+            bs = lora_bs((gate_l, up_l))
             # where the stacked gate/up GEMM takes [d_gate | d_up] in bf16, the pass also takes gate's and up's LoRA
             # gradients while each tile is in cache, and their fp32 gradients never exist
             grads = None
@@ -191,10 +192,6 @@ def _one_call_weights(
     if w_gu is None or w_d is None or any(gemm_bias(m) is not None for m in layers):
         return None
     return (w_gu, w_d) if all(p.dtype == torch.float32 for p in (down_l.lora_A, down_l.lora_B)) else None
-
-
-def _lora_bs(gate: LoRALinear, up: LoRALinear) -> tuple[Tensor, Tensor]:
-    return gate.lora_B.detach(), up.lora_B.detach()
 
 
 def lora_swiglu(gate: LoRALinear, up: LoRALinear, down: LoRALinear, x: Tensor, norm: RMSNorm | None = None) -> Tensor:
